@@ -1,0 +1,48 @@
+"""memsaving: train TensorFlow 2 models that do not fit in accelerator memory.
+
+The package rewrites the backward pass so that activations between chosen
+checkpoint tensors are recomputed when the backward pass needs them instead of
+being kept alive from the forward pass (gradient checkpointing).
+
+``import memsaving`` sets ``TF_CPU_ALLOCATOR_USE_BFC=true`` when TensorFlow has
+not been imported yet, because the CPU allocator only reports peak memory
+(used by :func:`measure_peak`) when that variable is set before TensorFlow
+starts.
+"""
+
+import os as _os
+import sys as _sys
+
+if "tensorflow" not in _sys.modules:
+    _os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+
+from memsaving.errors import (  # noqa: E402
+    CheckpointError,
+    MemsavingError,
+    PeakMemoryUnavailableError,
+    UnsupportedGraphError,
+)
+from memsaving.marking import checkpoint, CHECKPOINTS_COLLECTION  # noqa: E402
+from memsaving.gradients import (  # noqa: E402
+    gradients,
+    gradients_collection,
+    gradients_memory,
+    gradients_speed,
+)
+from memsaving.measure import measure_peak  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CHECKPOINTS_COLLECTION",
+    "CheckpointError",
+    "MemsavingError",
+    "PeakMemoryUnavailableError",
+    "UnsupportedGraphError",
+    "checkpoint",
+    "gradients",
+    "gradients_collection",
+    "gradients_memory",
+    "gradients_speed",
+    "measure_peak",
+]

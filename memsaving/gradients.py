@@ -1,0 +1,169 @@
+"""``memsaving.gradients``: a drop-in for ``tf.gradients`` that recomputes.
+
+The call finds the forward ops between ``xs`` and ``ys``, resolves the
+checkpoints, and builds the backward pass segment by segment (see
+:mod:`memsaving.rewrite`).  Gradients are those of ``tf.gradients``; only the
+memory held during backprop (and the compute spent) change.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Optional, Sequence, Union
+
+import tensorflow as tf
+from tensorflow.python.framework import indexed_slices
+from tensorflow.python.ops import resource_variable_ops
+
+from memsaving.checkpoints import Checkpoints, resolve_checkpoints
+from memsaving.forward import forward_graph
+from memsaving.rewrite import BackwardBuilder, kept_ops
+
+logger = logging.getLogger("memsaving")
+
+TensorLike = Union[tf.Tensor, tf.Variable]
+
+_PASSED_THROUGH = ("gate_gradients", "aggregation_method", "colocate_gradients_with_ops")
+_ACCEPTED = frozenset(_PASSED_THROUGH + ("name", "stop_gradients", "unconnected_gradients"))
+
+
+def _as_list(value) -> list:
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def _check_tensors(values: list, what: str) -> None:
+    for value in values:
+        if not isinstance(value, (tf.Tensor, tf.Variable)) and not resource_variable_ops.is_resource_variable(value):
+            raise TypeError(
+                f"memsaving.gradients: {what} must be tf.Tensor or tf.Variable objects "
+                f"(or a list of them), got {type(value).__name__}: {value!r:.80}"
+            )
+
+
+def _in_xla_function(graph) -> bool:
+    """True when the function being traced will be compiled with XLA."""
+    while graph is not None:
+        attrs = getattr(graph, "_attributes", None) or {}
+        if "_XlaMustCompile" in attrs:
+            return True
+        if getattr(graph, "_xla_compile", False):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
+def gradients(
+    ys: Union[TensorLike, Sequence[TensorLike]],
+    xs: Union[TensorLike, Sequence[TensorLike]],
+    grad_ys: Optional[Union[tf.Tensor, Sequence[Optional[tf.Tensor]]]] = None,
+    checkpoints: Checkpoints = "collection",
+    **kwargs,
+) -> list:
+    """Gradients of ``ys`` with respect to ``xs``, recomputing between checkpoints.
+
+    Same arguments and results as ``tf.gradients``: a list with one entry per
+    ``x``, ``None`` for an ``x`` that ``ys`` do not depend on (or zeros with
+    ``unconnected_gradients="zero"``), and ``tf.IndexedSlices`` where
+    tf.gradients gives them (gathers, embedding lookups).
+
+    Args:
+      ys: tensor(s) to differentiate.
+      xs: tensor(s) or variable(s) to differentiate with respect to.
+      grad_ys: optional initial gradients for ``ys``, as in tf.gradients.
+      checkpoints: which forward tensors are kept; everything between two
+        kept tensors is recomputed during backprop.
+
+        * a list of tensors: exactly those (each must lie between xs and ys);
+        * ``"collection"``: tensors marked with :func:`memsaving.checkpoint`
+          (or added to the graph collection ``"checkpoints"``);
+        * ``"speed"``: outputs of MatMul, BatchMatMul, Conv and Einsum ops, so
+          only cheap ops are recomputed;
+        * ``"memory"``: about sqrt(n) tensors that each separate the graph,
+          spaced evenly by bytes.
+      **kwargs: ``name``, ``gate_gradients``, ``aggregation_method``,
+        ``stop_gradients``, ``unconnected_gradients`` and
+        ``colocate_gradients_with_ops``, with tf.gradients' meaning.
+
+    Stateful ops (variable reads, random ops, calls with side effects) and
+    control-flow ops are never recomputed; their outputs are kept.
+
+    Raises:
+      RuntimeError: in eager mode (wrap the computation in ``tf.function``).
+      TypeError: ``ys``/``xs`` are not tensors, or an unknown keyword.
+      memsaving.CheckpointError: checkpoints not between xs and ys, or none found.
+      memsaving.UnsupportedGraphError: TF1-style control flow in the graph.
+    """
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "memsaving.gradients is not supported when eager execution is enabled: it "
+            "rewrites a graph, as tf.gradients does. Compute the loss and call "
+            "memsaving.gradients inside a tf.function (or in tf.compat.v1 graph mode)."
+        )
+    unknown = sorted(set(kwargs) - _ACCEPTED)
+    if unknown:
+        raise TypeError(
+            f"memsaving.gradients got unexpected keyword argument(s) {unknown}; "
+            f"accepted: ys, xs, grad_ys, checkpoints, {', '.join(sorted(_ACCEPTED))}"
+        )
+    ys = _as_list(ys)
+    xs = _as_list(xs)
+    if not ys:
+        raise ValueError("memsaving.gradients: ys is empty")
+    _check_tensors(ys, "ys")
+    _check_tensors(xs, "xs")
+    if grad_ys is not None:
+        grad_ys = _as_list(grad_ys)
+        if len(grad_ys) != len(ys):
+            raise ValueError(
+                f"memsaving.gradients: got {len(grad_ys)} grad_ys for {len(ys)} ys; pass one per y"
+            )
+    else:
+        grad_ys = [None] * len(ys)
+
+    name = kwargs.get("name") or "memsaving_gradients"
+    unconnected = tf.UnconnectedGradients(kwargs.get("unconnected_gradients", "none"))
+    stop_gradients = _as_list(kwargs.get("stop_gradients") or [])
+    passed = {k: kwargs[k] for k in _PASSED_THROUGH if k in kwargs}
+    gradients_fn = tf.compat.v1.gradients if "colocate_gradients_with_ops" in passed else tf.gradients
+
+    graph = tf.compat.v1.get_default_graph()
+    if _in_xla_function(graph):
+        warnings.warn(
+            "memsaving.gradients inside a tf.function(jit_compile=True): XLA schedules "
+            "the whole function itself and ignores the recomputation order, so memory "
+            "will not go down. Use jit_compile=False for the function that computes "
+            "gradients.",
+            stacklevel=2,
+        )
+    with tf.name_scope(name):
+        ys = [y.read_value() if isinstance(y, tf.Variable) else y for y in ys]
+        xs = [x.handle if resource_variable_ops.is_resource_variable(x) else x for x in xs]
+        xs = indexed_slices.internal_convert_n_to_tensor_or_indexed_slices(xs, name="x", as_ref=True)
+        ys = indexed_slices.convert_n_to_tensor_or_indexed_slices(ys, name="y")
+        fwd = forward_graph(xs, ys, stop_gradients)
+        chosen = resolve_checkpoints(checkpoints, fwd)
+        builder = BackwardBuilder(fwd, kept_ops(fwd, chosen), gradients_fn, passed)
+        result = builder.build(ys, grad_ys, xs, unconnected == tf.UnconnectedGradients.ZERO)
+    logger.info(
+        "memsaving.gradients: %d forward ops, %d checkpoints, %d segments, %d ops recomputed",
+        len(fwd.ops), len(chosen), builder.segments, builder.recomputed_ops,
+    )
+    return result
+
+
+def gradients_speed(ys, xs, grad_ys=None, **kwargs) -> list:
+    """``gradients(..., checkpoints="speed")``: keep MatMul/Conv/Einsum outputs."""
+    return gradients(ys, xs, grad_ys, checkpoints="speed", **kwargs)
+
+
+def gradients_memory(ys, xs, grad_ys=None, **kwargs) -> list:
+    """``gradients(..., checkpoints="memory")``: about sqrt(n) separating tensors."""
+    return gradients(ys, xs, grad_ys, checkpoints="memory", **kwargs)
+
+
+def gradients_collection(ys, xs, grad_ys=None, **kwargs) -> list:
+    """``gradients(..., checkpoints="collection")``: tensors marked by the user."""
+    return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)

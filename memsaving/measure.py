@@ -1,0 +1,55 @@
+"""Measuring the peak memory of a computation with TensorFlow's allocator."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional
+
+import tensorflow as tf
+
+from memsaving.errors import PeakMemoryUnavailableError
+
+
+def _default_device() -> str:
+    return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+
+
+def measure_peak(fn: Callable[..., Any], *args, device: Optional[str] = None, **kwargs) -> int:
+    """Run ``fn(*args, **kwargs)`` and return the allocator's peak bytes during it.
+
+    The allocator statistics of ``device`` (default: the first GPU, else the
+    CPU) are reset first, so the figure is the peak of this call alone.
+    Outputs are fetched (``.numpy()``) inside the measurement, so work that
+    runs asynchronously is included.
+
+    On CPU the allocator reports memory only when ``TF_CPU_ALLOCATOR_USE_BFC``
+    is ``true`` before TensorFlow starts; ``import memsaving`` sets it when it
+    is imported before TensorFlow.
+
+    Raises:
+      PeakMemoryUnavailableError: the device's allocator keeps no statistics.
+    """
+    device = device or _default_device()
+    try:
+        tf.config.experimental.reset_memory_stats(device)
+    except (ValueError, RuntimeError, tf.errors.OpError) as err:
+        raise PeakMemoryUnavailableError(_advice(device, err)) from err
+    result = fn(*args, **kwargs)
+    tf.nest.map_structure(
+        lambda t: t.numpy() if hasattr(t, "numpy") else t,
+        result,
+    )
+    return int(tf.config.experimental.get_memory_info(device)["peak"])
+
+
+def _advice(device: str, err: Exception) -> str:
+    if device.upper().startswith("CPU"):
+        state = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC")
+        return (
+            f"the CPU allocator keeps no memory statistics ({err}). Set the environment "
+            "variable TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow starts: run "
+            "`export TF_CPU_ALLOCATOR_USE_BFC=true` in the shell, or `import memsaving` "
+            "before `import tensorflow` (it sets the variable). "
+            f"Currently TF_CPU_ALLOCATOR_USE_BFC={state!r}."
+        )
+    return f"device {device} keeps no memory statistics ({err})."

@@ -1,0 +1,269 @@
+"""The segment-by-segment backward pass with recomputation.
+
+Given the forward graph and a set of *kept* ops (checkpoints, plus ops that
+must never be recomputed), the backward pass is built unit by unit, from the
+outputs back to the inputs:
+
+* the **output unit**: the ops between the last kept tensors and ``ys``.  They
+  are differentiated in place (their activations are alive at the end of the
+  forward pass anyway), stopping at the kept tensors.
+* one **segment** per copyable kept op ``P``: ``P`` and the non-kept forward
+  ops it depends on, back to the previous kept tensors, are *copied*.  The
+  copies read the kept tensors through fresh proxies and carry control
+  dependencies on the ops producing the gradient of ``P``'s outputs, so they
+  run only when the backward pass reaches this segment and their memory is
+  freed right after.  ``tf.gradients`` is then called on the copies alone.
+* one **pass-through unit** per non-copyable kept op (stateful ops, control
+  flow): the original op is differentiated directly.
+
+Gradients of each unit's inputs are accumulated and become the ``grad_ys`` of
+the units before it.  Because every unit's ``tf.gradients`` call starts from
+proxies that only the unit's copies consume, each call walks only its own
+segment; the total work stays linear in the graph size.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Optional, Sequence
+
+import tensorflow as tf
+from tensorflow.python.ops import default_gradient
+from tensorflow.python.util import object_identity
+
+from memsaving.aggregation import Gradient, aggregate, producing_ops
+from memsaving.forward import ForwardGraph, is_copyable, is_trainable
+
+GradientsFn = Callable[..., list]
+
+
+class _Accumulator:
+    """Gradient contributions received by each forward tensor."""
+
+    def __init__(self):
+        self._contributions = object_identity.ObjectIdentityDictionary()
+
+    def add(self, tensor: tf.Tensor, gradient: Optional[Gradient]) -> None:
+        if gradient is None:
+            return
+        self._contributions.setdefault(tensor, []).append(gradient)
+
+    def total(self, tensor: tf.Tensor) -> Optional[Gradient]:
+        """The summed gradient of ``tensor``; later calls reuse the sum."""
+        contributions = self._contributions.get(tensor)
+        if not contributions:
+            return None
+        if len(contributions) > 1:
+            contributions[:] = [aggregate(contributions)]
+        return contributions[0]
+
+
+def kept_ops(fwd: ForwardGraph, checkpoints: Sequence[tf.Tensor]) -> set:
+    """The forward ops whose outputs are kept from the forward pass.
+
+    These are the producers of the checkpoints, every op that must not be
+    recomputed (see :func:`memsaving.forward.is_copyable`) and the producers
+    of the trainable inputs of those ops (the pass-through units need their
+    inputs as unit boundaries).
+    """
+    kept = {t.op for t in checkpoints if fwd.contains_op(t.op)}
+    for op in fwd.ops:
+        if not is_copyable(op):
+            kept.add(op)
+            for t in op.inputs:
+                if is_trainable(t) and fwd.contains_op(t.op):
+                    kept.add(t.op)
+    return kept
+
+
+class BackwardBuilder:
+    """Builds the backward pass of one ``memsaving.gradients`` call."""
+
+    def __init__(
+        self,
+        fwd: ForwardGraph,
+        kept: set,
+        gradients_fn: GradientsFn,
+        gradient_kwargs: dict,
+    ):
+        self.fwd = fwd
+        self.kept = kept
+        self.gradients_fn = gradients_fn
+        self.gradient_kwargs = gradient_kwargs
+        self.grads = _Accumulator()
+        self.recomputed_ops = 0
+        self.segments = 0
+
+    # -- predicates ---------------------------------------------------------
+    def is_kept(self, tensor: tf.Tensor) -> bool:
+        return self.fwd.is_x(tensor) or tensor.op in self.kept
+
+    def needs_proxy(self, tensor: tf.Tensor) -> bool:
+        """Kept forward tensors through which gradient flows to earlier units."""
+        return is_trainable(tensor) and self.fwd.contains_tensor(tensor) and self.is_kept(tensor)
+
+    def closure(self, seeds: Sequence[tf.Operation]) -> list:
+        """Non-kept forward ops needed to compute ``seeds``, in topological order.
+
+        The walk stops at kept tensors and at tensors outside the forward graph
+        (those are read from the originals).
+        """
+        found = set()
+        stack = list(seeds)
+        while stack:
+            op = stack.pop()
+            if op in found:
+                continue
+            found.add(op)
+            for t in op.inputs:
+                if self.fwd.contains_op(t.op) and not self.is_kept(t):
+                    stack.append(t.op)
+        return sorted(found, key=self.fwd.position.__getitem__)
+
+    # -- units --------------------------------------------------------------
+    def output_unit(self, ys: Sequence[tf.Tensor], grad_ys: Sequence) -> None:
+        """Differentiate the ops after the last kept tensors, in place."""
+        inner, inner_grads = [], []
+        for y, gy in zip(ys, grad_ys):
+            if not self.fwd.contains_tensor(y):
+                continue
+            if self.is_kept(y):
+                self.grads.add(y, gy if gy is not None else default_gradient.ones_like(y))
+            else:
+                inner.append(y)
+                inner_grads.append(gy)
+        if not inner:
+            return
+        ops = self.closure([y.op for y in inner])
+        boundary = self._boundary(ops)
+        if not boundary:
+            return
+        results = self.gradients_fn(
+            inner, boundary, grad_ys=inner_grads, stop_gradients=boundary,
+            **self.gradient_kwargs,
+        )
+        for t, g in zip(boundary, results):
+            self.grads.add(t, g)
+
+    def unit(self, op: tf.Operation) -> None:
+        """Propagate the gradients of kept op ``op``'s outputs to its inputs."""
+        outs, out_grads = [], []
+        for t in op.outputs:
+            g = self.grads.total(t) if is_trainable(t) else None
+            if g is not None:
+                outs.append(t)
+                out_grads.append(g)
+        if not outs:
+            return
+        if is_copyable(op):
+            self._segment(op, outs, out_grads)
+        elif op.type == "ReadVariableOp":
+            handle = op.inputs[0]
+            if self.fwd.contains_tensor(handle):
+                # The gradient of a variable read is the gradient of the value.
+                self.grads.add(handle, out_grads[0])
+        else:
+            self._pass_through(op, outs, out_grads)
+
+    def _boundary(self, ops: Sequence[tf.Operation]) -> list:
+        seen = object_identity.ObjectIdentitySet()
+        boundary = []
+        members = set(ops)
+        for op in ops:
+            for t in op.inputs:
+                if t.op not in members and t not in seen and self.needs_proxy(t):
+                    seen.add(t)
+                    boundary.append(t)
+        return boundary
+
+    def _pass_through(self, op, outs, out_grads) -> None:
+        inputs = []
+        seen = object_identity.ObjectIdentitySet()
+        for t in op.inputs:
+            if t not in seen and is_trainable(t) and self.fwd.contains_tensor(t):
+                seen.add(t)
+                inputs.append(t)
+        if not inputs:
+            return
+        results = self.gradients_fn(
+            outs, inputs, grad_ys=out_grads, stop_gradients=inputs, **self.gradient_kwargs
+        )
+        for t, g in zip(inputs, results):
+            self.grads.add(t, g)
+
+    def _segment(self, op, outs, out_grads) -> None:
+        """Recompute ``op``'s segment after its output gradients exist."""
+        ops = self.closure([op])
+        wait_for = []
+        for g in out_grads:
+            wait_for.extend(producing_ops(g))
+        self.segments += 1
+        prefix = f"recompute_{self.segments}/"
+        boundary = self._boundary(ops)
+        proxies = object_identity.ObjectIdentityDictionary()
+        for t in boundary:
+            with tf.device(t.op.device):
+                proxies[t] = tf.identity(t, name=prefix + "proxy")
+        copies = {}
+        for original in ops:
+            inputs = []
+            for t in original.inputs:
+                if t.op in copies:
+                    inputs.append(copies[t.op].outputs[t.value_index])
+                elif t in proxies:
+                    inputs.append(proxies[t])
+                else:
+                    inputs.append(t)
+            control = [copies.get(c, c) for c in original.control_inputs]
+            if not any(t.op in copies for t in original.inputs):
+                control.extend(wait_for)
+            copies[original] = copy_op(original, inputs, control, prefix)
+        self.recomputed_ops += len(ops)
+        copied_outs = [copies[op].outputs[t.value_index] for t in outs]
+        results = self.gradients_fn(
+            copied_outs, list(proxies.values()), grad_ys=out_grads, **self.gradient_kwargs
+        )
+        for t, g in zip(boundary, results):
+            self.grads.add(t, g)
+
+    # -- driver -------------------------------------------------------------
+    def build(self, ys, grad_ys, xs, unconnected_zero: bool) -> list:
+        self.output_unit(ys, grad_ys)
+        for op in sorted(self.kept, key=self.fwd.position.__getitem__, reverse=True):
+            self.unit(op)
+        results = []
+        for x in xs:
+            g = self.grads.total(x)
+            if g is None and unconnected_zero:
+                g = default_gradient.zeros_like(x)
+            results.append(g)
+        return results
+
+
+def copy_op(op: tf.Operation, inputs: list, control_inputs: list, prefix: str) -> tf.Operation:
+    """Create a copy of ``op`` reading ``inputs``, on ``op``'s device.
+
+    Attributes (dtypes, function names, colocation) are taken from the NodeDef;
+    the Python-side gradient function of nested function calls is carried over
+    so the copy differentiates exactly like the original.
+    """
+    graph = op.graph
+    attrs = {name: value for name, value in op.node_def.attr.items()}
+    new = graph._create_op_internal(  # pylint: disable=protected-access
+        op.type,
+        inputs,
+        dtypes=[t.dtype for t in op.outputs],
+        name=prefix + op.name,
+        attrs=attrs,
+        op_def=op.op_def,
+        compute_device=False,
+    )
+    new._set_device(op.device)  # pylint: disable=protected-access
+    if control_inputs:
+        new._add_control_inputs([c for c in control_inputs if c is not new])  # pylint: disable=protected-access
+    gradient_function = getattr(op, "_gradient_function", None)
+    if gradient_function is not None:
+        new._gradient_function = gradient_function  # pylint: disable=protected-access
+    for source, target in zip(op.outputs, new.outputs):
+        target.set_shape(source.shape)
+    return new

@@ -1,0 +1,35 @@
+"""Test setup: TensorFlow must be configured before it starts.
+
+* ``TF_CPU_ALLOCATOR_USE_BFC=true`` so peak memory can be measured on CPU;
+* one inter-op thread so measured peaks repeat to the byte;
+* two logical CPU devices so placement across devices can be tested.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # noqa: E402
+
+
+def _configure_tensorflow():
+    try:
+        import tensorflow as tf
+    except ImportError:  # treedecomp tests run without TensorFlow
+        return
+    try:
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()]
+        )
+    except RuntimeError:
+        pass  # already initialised by an earlier import
+
+
+_configure_tensorflow()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long benchmark-like tests, not in the default run")

@@ -1,0 +1,78 @@
+"""Running a model's gradients with tf.gradients and memsaving side by side."""
+
+import numpy as np
+import tensorflow as tf
+
+import memsaving
+
+
+def dense(g):
+    if g is None:
+        return None
+    if isinstance(g, tf.IndexedSlices):
+        return tf.convert_to_tensor(g)
+    return g
+
+
+def both_gradients(model, x, params, checkpoints):
+    """Plain and memsaving gradients of the same forward graph (same random draws)."""
+    loss, cps = model.forward(x, params)
+    chosen = cps if checkpoints == "model" else checkpoints
+    xs = list(params) + [x]
+    plain = tf.gradients(loss, xs)
+    ours = memsaving.gradients(loss, xs, checkpoints=chosen)
+    kinds = [(type(a).__name__, type(b).__name__) for a, b in zip(plain, ours)]
+    return [dense(g) for g in plain], [dense(g) for g in ours], kinds
+
+
+def run_tf_function(model, checkpoints="model", seed=0):
+    rng = np.random.default_rng(seed)
+    params = [tf.Variable(rng.standard_normal(s).astype(np.float32) * 0.5) for s in model.param_shapes()]
+    x = tf.constant(model.make_input(rng))
+
+    @tf.function
+    def step(x):
+        plain, ours, _ = both_gradients(model, x, params, checkpoints)
+        return plain, ours
+
+    kinds = []
+
+    @tf.function
+    def kinds_probe(x):
+        kinds.extend(both_gradients(model, x, params, checkpoints)[2])
+        return tf.constant(0)
+
+    kinds_probe.get_concrete_function(x)
+    plain, ours = step(x)
+    return [None if g is None else g.numpy() for g in plain], [None if g is None else g.numpy() for g in ours], kinds
+
+
+def run_session(model, checkpoints="model", seed=0):
+    rng = np.random.default_rng(seed)
+    graph = tf.Graph()
+    with graph.as_default():
+        params = [
+            tf.compat.v1.Variable(rng.standard_normal(s).astype(np.float32) * 0.5, use_resource=True)
+            for s in model.param_shapes()
+        ]
+        x = tf.compat.v1.placeholder(tf.float32, shape=model.make_input(rng).shape)
+        plain, ours, kinds = both_gradients(model, x, params, checkpoints)
+        fetch_plain = [g for g in plain if g is not None]
+        fetch_ours = [g for g in ours if g is not None]
+        assert len(fetch_plain) == len(fetch_ours)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            values = sess.run(fetch_plain + fetch_ours, feed_dict={x: model.make_input(np.random.default_rng(seed + 1))})
+    n = len(fetch_plain)
+    return values[:n], values[n:], kinds
+
+
+def assert_close(plain, ours, rtol=1e-5):
+    assert len(plain) == len(ours)
+    for i, (a, b) in enumerate(zip(plain, ours)):
+        if a is None or b is None:
+            assert a is None and b is None, f"gradient {i}: one is None"
+            continue
+        scale = max(float(np.max(np.abs(a))), 1e-12)
+        err = float(np.max(np.abs(a - b))) / scale
+        assert err <= rtol, f"gradient {i}: relative error {err:.3g} > {rtol}"
