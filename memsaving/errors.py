@@ -4,6 +4,11 @@
 class MemsavingError(Exception):
     """Base class of every error memsaving raises on purpose."""
 
+    # AutoGraph re-raises errors from inside tf.function as a generic
+    # StagingError unless the class is constructed like Exception; keeping
+    # Exception's __init__ lets users catch memsaving's own types there.
+    __init__ = Exception.__init__
+
 
 class CheckpointError(MemsavingError, ValueError):
     """The checkpoints given or found cannot be used (none found, or not

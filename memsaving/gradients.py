@@ -14,13 +14,19 @@ from typing import Optional, Sequence, Union
 
 import tensorflow as tf
 from tensorflow.python.framework import indexed_slices
-from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.ops import control_flow_util, resource_variable_ops
 
 from memsaving.checkpoints import Checkpoints, resolve_checkpoints
 from memsaving.forward import forward_graph
 from memsaving.rewrite import BackwardBuilder, kept_ops
 
 logger = logging.getLogger("memsaving")
+
+# AutoGraph would otherwise transpile this library's Python on every trace
+# inside tf.function (it converts every function it does not know), which
+# made graph building several times slower and is never needed: the rewrite
+# emits ops, it has no tensor-dependent Python control flow.
+_do_not_convert = tf.autograph.experimental.do_not_convert
 
 TensorLike = Union[tf.Tensor, tf.Variable]
 
@@ -44,17 +50,18 @@ def _check_tensors(values: list, what: str) -> None:
 
 
 def _in_xla_function(graph) -> bool:
-    """True when the function being traced will be compiled with XLA."""
-    while graph is not None:
-        attrs = getattr(graph, "_attributes", None) or {}
-        if "_XlaMustCompile" in attrs:
-            return True
-        if getattr(graph, "_xla_compile", False):
-            return True
-        graph = getattr(graph, "outer_graph", None)
-    return False
+    """True when the function being traced will be compiled with XLA.
+
+    tf.function(jit_compile=True) traces its body inside an XLA control-flow
+    context; TensorFlow's own helper finds it in the graph or its parents.
+    """
+    try:
+        return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
+    except Exception:  # pylint: disable=broad-except  # detection only warns
+        return False
 
 
+@_do_not_convert
 def gradients(
     ys: Union[TensorLike, Sequence[TensorLike]],
     xs: Union[TensorLike, Sequence[TensorLike]],
@@ -154,16 +161,19 @@ def gradients(
     return result
 
 
+@_do_not_convert
 def gradients_speed(ys, xs, grad_ys=None, **kwargs) -> list:
     """``gradients(..., checkpoints="speed")``: keep MatMul/Conv/Einsum outputs."""
     return gradients(ys, xs, grad_ys, checkpoints="speed", **kwargs)
 
 
+@_do_not_convert
 def gradients_memory(ys, xs, grad_ys=None, **kwargs) -> list:
     """``gradients(..., checkpoints="memory")``: about sqrt(n) separating tensors."""
     return gradients(ys, xs, grad_ys, checkpoints="memory", **kwargs)
 
 
+@_do_not_convert
 def gradients_collection(ys, xs, grad_ys=None, **kwargs) -> list:
     """``gradients(..., checkpoints="collection")``: tensors marked by the user."""
     return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)

@@ -14,6 +14,7 @@ graphs that were marked for it keep working.
 T = TypeVar("T")
 
 
+@tf.autograph.experimental.do_not_convert
 def checkpoint(tensor: T) -> T:
     """Mark ``tensor`` as a checkpoint and return it unchanged.
 

@@ -203,7 +203,7 @@ class BackwardBuilder:
         proxies = object_identity.ObjectIdentityDictionary()
         for t in boundary:
             with tf.device(t.op.device):
-                proxies[t] = tf.identity(t, name=prefix + "proxy")
+                proxies[t] = tf.identity(t, name=f"segment_inputs_{self.segments}/proxy")
         copies = {}
         for original in ops:
             inputs = []

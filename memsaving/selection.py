@@ -18,9 +18,10 @@ def bottlenecks(graph: nx.DiGraph, order: Sequence[Hashable]) -> list:
     """Nodes whose removal cuts the graph into a before and an after part.
 
     A node ``v`` is a bottleneck when no edge jumps over it in the topological
-    ``order``: then every path from a node before ``v`` to a node after ``v``
-    passes through ``v``, so keeping ``v``'s outputs is enough to recompute
-    everything after it.  This is the single-tensor separator of the TF1
+    ``order`` and no source (node without predecessors) comes after it: then
+    every path from an input to an output passes through ``v``, so keeping
+    ``v``'s outputs is enough to recompute everything after it.  (Sources are
+    treated as fed by one virtual input node placed before everything.)  This is the single-tensor separator of the TF1
     package's ``"memory"`` mode, found here in one linear sweep.
 
     Args:
@@ -29,15 +30,19 @@ def bottlenecks(graph: nx.DiGraph, order: Sequence[Hashable]) -> list:
 
     Returns:
       The bottleneck nodes in ``order``, excluding nodes without successors
-      (keeping an output saves nothing).
+      (keeping an output saves nothing) and nodes without predecessors (they
+      are computed from kept inputs in one step, so keeping them saves no
+      recomputation and would cut nothing).
     """
     position = {node: i for i, node in enumerate(order)}
     if len(position) != graph.number_of_nodes():
         raise ValueError("order must list every node of the graph exactly once")
     found = []
-    furthest = -1  # furthest position reached by an edge from an earlier node
+    # furthest position reached by an edge from an earlier node, the virtual
+    # input node reaching every source
+    furthest = max((position[n] for n in order if graph.in_degree(n) == 0), default=-1)
     for i, node in enumerate(order):
-        if furthest <= i and graph.out_degree(node) > 0:
+        if furthest <= i and graph.out_degree(node) > 0 and graph.in_degree(node) > 0:
             found.append(node)
         for succ in graph.successors(node):
             if position[succ] <= i:

@@ -1,0 +1,29 @@
+# Fresh machine: `make demo` or `make test` create .venv, install, and run.
+PYTHON ?= python3
+VENV ?= .venv
+BIN = $(VENV)/bin
+
+.PHONY: demo test test-all bench install clean
+
+$(BIN)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[cpu,test]'
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: $(BIN)/.installed
+	$(BIN)/memsaving demo
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q
+
+test-all: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -m ""
+
+bench: $(BIN)/.installed
+	$(BIN)/python -m experiments.bench_rewrite
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,7 @@
+"""``python -m memsaving``: same as the ``memsaving`` command."""
+
+import sys
+
+from memsaving.cli import main
+
+sys.exit(main())

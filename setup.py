@@ -1,0 +1,22 @@
+"""Install memsaving (gradient checkpointing for TensorFlow 2) and treedecomp."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="memsaving",
+    version="0.1.0",
+    description="Train TensorFlow 2 models that do not fit in memory: gradient checkpointing "
+    "with automatic, budget-aware checkpoint selection.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["memsaving", "memsaving.*", "treedecomp", "treedecomp.*"]),
+    # TensorFlow comes from an extra so users pick the CPU or the GPU build.
+    install_requires=["networkx>=3.0", "numpy>=1.24"],
+    extras_require={
+        "cpu": ["tensorflow-cpu==2.21.0"],
+        "gpu": ["tensorflow[and-cuda]==2.21.0"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "scipy>=1.10"],
+    },
+    entry_points={"console_scripts": ["memsaving=memsaving.cli:main"]},
+)

@@ -1,0 +1,238 @@
+"""Special cases of the rewrite: stateful calls, nested functions, devices, Keras."""
+
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsaving
+from helpers import assert_close
+
+
+def _compare(fn_builder, checkpoints_from="cps"):
+    """fn_builder(x) -> (loss, xs, cps); returns (plain, ours) numpy lists."""
+
+    @tf.function
+    def step(x):
+        loss, xs, cps = fn_builder(x)
+        plain = tf.gradients(loss, xs)
+        ours = memsaving.gradients(loss, xs, checkpoints=cps)
+        return plain, ours
+
+    x = tf.constant(np.random.default_rng(0).standard_normal((6, 8)).astype(np.float32))
+    plain, ours = step(x)
+    return [p.numpy() for p in plain], [o.numpy() for o in ours], step.get_concrete_function(x).graph
+
+
+_COPY_NAME = re.compile(r"^memsaving_gradients[^/]*/recompute_\d+/(.*)$")
+
+
+def _recomputed_ops(graph):
+    """The forward copies (not the gradient ops built on them)."""
+    return [op for op in graph.get_operations() if _COPY_NAME.match(op.name)]
+
+
+def test_segments_are_recomputed_with_waits():
+    w = [tf.Variable(tf.random.normal([8, 8], seed=i)) for i in range(6)]
+
+    def build(x):
+        h, cps = x, []
+        for i, v in enumerate(w):
+            h = tf.tanh(tf.matmul(h, v))
+            if i in (1, 3):
+                cps.append(h)
+        return tf.reduce_sum(h), w + [x], cps
+
+    plain, ours, graph = _compare(build)
+    assert_close(plain, ours)
+    copies = _recomputed_ops(graph)
+    assert {op.type for op in copies} >= {"MatMul", "Tanh"}
+    # every copy whose inputs are all outside its segment waits on a backward op
+    copy_set = set(copies)
+    roots = [op for op in copies if not any(t.op in copy_set for t in op.inputs)]
+    assert roots and all(op.control_inputs for op in roots)
+
+
+def test_stateful_call_in_the_middle_is_kept_and_runs_once():
+    counter = tf.Variable(0.0)
+    w = [tf.Variable(tf.random.normal([8, 8], seed=i)) for i in range(4)]
+
+    @tf.function
+    def side_effect(h):
+        counter.assign_add(1.0)
+        return h * 2.0 + tf.random.uniform(tf.shape(h), seed=3)
+
+    def build(x):
+        h = tf.tanh(tf.matmul(x, w[0]))
+        cp = tf.tanh(tf.matmul(h, w[1]))
+        h = side_effect(cp)
+        h = tf.sin(tf.matmul(h, w[2]))
+        h = tf.tanh(tf.matmul(h, w[3]))
+        return tf.reduce_sum(h), w + [x], [cp]
+
+    before = counter.numpy()
+    plain, ours, graph = _compare(build)
+    assert_close(plain, ours)
+    assert counter.numpy() - before == 1.0, "the stateful call ran more than once per step"
+    assert not any(op.type == "StatefulPartitionedCall" for op in _recomputed_ops(graph))
+
+
+def test_nested_stateless_function_is_recomputed():
+    w = [tf.Variable(tf.random.normal([8, 8], seed=i)) for i in range(4)]
+
+    @tf.function(autograph=False)
+    def activation(h):
+        return tf.nn.softplus(h) * 0.5
+
+    def block(h, v):
+        return activation(tf.matmul(h, v))
+
+    def build(x):
+        h = block(x, w[0])
+        cp = block(h, w[1])
+        h = block(cp, w[2])
+        h = block(h, w[3])
+        return tf.reduce_sum(h * h), w + [x], [cp]
+
+    plain, ours, graph = _compare(build)
+    assert_close(plain, ours)
+    assert any(op.type == "PartitionedCall" for op in _recomputed_ops(graph))
+
+
+def test_control_inputs_on_forward_ops():
+    w = [tf.Variable(tf.random.normal([8, 8], seed=i)) for i in range(3)]
+
+    def build(x):
+        h = tf.tanh(tf.matmul(x, w[0]))
+        check = tf.debugging.assert_all_finite(h, "finite")
+        with tf.control_dependencies([check]):
+            h2 = tf.sin(tf.matmul(h, w[1]))
+        cp = tf.identity(h2)
+        h3 = tf.tanh(tf.matmul(cp, w[2])) + h2
+        return tf.reduce_sum(h3), w + [x], [cp]
+
+    plain, ours, _ = _compare(build)
+    assert_close(plain, ours)
+
+
+def test_ops_on_two_devices_stay_on_their_device():
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+    assert len(devices) >= 2, "conftest configures two logical CPUs"
+    w = [tf.Variable(tf.random.normal([8, 8], seed=i)) for i in range(6)]
+
+    def build(x):
+        h, cps = x, []
+        for i, v in enumerate(w):
+            with tf.device(devices[i % 2]):
+                h = tf.tanh(tf.matmul(h, v))
+            if i == 2:
+                cps.append(h)
+        return tf.reduce_sum(h), w + [x], cps
+
+    plain, ours, graph = _compare(build)
+    assert_close(plain, ours)
+    copies = [op for op in _recomputed_ops(graph) if op.type == "MatMul"]
+    assert copies
+    originals = {op.name: op.device for op in graph.get_operations()}
+    for op in copies:
+        original_name = _COPY_NAME.match(op.name).group(1)
+        assert op.device == originals[original_name]
+    assert len({op.device for op in copies}) == 2
+
+
+def test_keras_functional_model_with_batchnorm_and_dropout():
+    import keras
+
+    keras.utils.set_random_seed(1)
+    inp = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="relu")(inp)
+    h = keras.layers.BatchNormalization()(h)
+    mid = keras.layers.Dense(16, activation="tanh", name="mid")(h)
+    h = keras.layers.Dropout(0.3)(mid)
+    h = keras.layers.Dense(16, activation="relu")(h)
+    out = keras.layers.Dense(1)(h)
+    model = keras.Model(inp, [out, mid])
+
+    @tf.function
+    def step(x):
+        out, mid = model(x, training=True)
+        loss = tf.reduce_mean(out ** 2)
+        plain = tf.gradients(loss, model.trainable_variables)
+        ours = memsaving.gradients(loss, model.trainable_variables, checkpoints=[mid])
+        return plain, ours
+
+    x = tf.random.normal([5, 8], seed=2)
+    plain, ours = step(x)
+    assert_close([p.numpy() for p in plain], [o.numpy() for o in ours])
+
+
+def test_unconnected_gradients_none_and_zero():
+    w = tf.Variable(tf.ones([3, 3]))
+    unused = tf.Variable(tf.ones([2]))
+
+    @tf.function
+    def step(x):
+        h = memsaving.checkpoint(tf.tanh(tf.matmul(x, w)))
+        loss = tf.reduce_sum(tf.sin(h))
+        none = memsaving.gradients(loss, [w, unused])
+        zero = memsaving.gradients(loss, [w, unused], unconnected_gradients="zero")
+        assert none[1] is None
+        return zero
+
+    zero = step(tf.ones([2, 3]))
+    np.testing.assert_array_equal(zero[1].numpy(), np.zeros(2))
+
+
+def test_collection_marking_and_shorthands():
+    w = [tf.Variable(tf.random.normal([8, 8], seed=i)) for i in range(5)]
+
+    @tf.function
+    def step(x):
+        h = x
+        for i, v in enumerate(w):
+            h = tf.nn.relu(tf.matmul(h, v))
+            if i == 2:
+                h = memsaving.checkpoint(h)
+        loss = tf.reduce_sum(h)
+        plain = tf.gradients(loss, w)
+        return (plain, memsaving.gradients_collection(loss, w), memsaving.gradients_speed(loss, w),
+                memsaving.gradients_memory(loss, w), memsaving.gradients(loss, w))
+
+    x = tf.random.normal([4, 8], seed=9)
+    plain, *others = step(x)
+    for ours in others:
+        assert_close([p.numpy() for p in plain], [o.numpy() for o in ours])
+
+
+def test_checkpoint_is_identity_in_eager_mode():
+    t = tf.ones([2])
+    assert memsaving.checkpoint(t) is t
+
+
+def test_grad_ys_are_chained():
+    w = [tf.Variable(tf.random.normal([8, 8], seed=i)) for i in range(4)]
+
+    @tf.function
+    def step(x):
+        h, cps = x, []
+        for i, v in enumerate(w):
+            h = tf.tanh(tf.matmul(h, v))
+            cps.append(h)
+        gy = tf.random.normal(tf.shape(h), seed=5)
+        return tf.gradients(h, w, grad_ys=gy), memsaving.gradients(h, w, grad_ys=gy, checkpoints=cps[1:3])
+
+    plain, ours = step(tf.random.normal([3, 8], seed=4))
+    assert_close([p.numpy() for p in plain], [o.numpy() for o in ours])
+
+
+def test_xla_function_warns():
+    w = tf.Variable(tf.ones([3, 3]))
+
+    @tf.function(jit_compile=True)
+    def step(x):
+        h = memsaving.checkpoint(tf.tanh(tf.matmul(x, w)))
+        return memsaving.gradients(tf.reduce_sum(tf.sin(h)), [w])
+
+    with pytest.warns(UserWarning, match="XLA"):
+        step.get_concrete_function(tf.TensorSpec([2, 3]))
