@@ -1,0 +1,37 @@
+"""The demo command and measure_peak's error path."""
+
+import os
+
+import memsaving
+from memsaving.cli import main
+from memsaving.demo import run_demo
+
+
+def test_demo_runs_and_saves_memory_on_a_small_model(capsys):
+    assert main(["demo", "--depth", "16", "--batch", "512", "--width", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "peak memory (MiB)" in out and "max relative gradient difference" in out
+
+
+def test_demo_result_is_measured():
+    result = run_demo(depth=25, batch=1024, width=64, repeats=1)
+    assert result.max_relative_difference <= 1e-5
+    assert result.peak_plain > 1.5 * result.peak_memsaving
+
+
+def test_measure_peak_without_statistics_says_what_to_do(monkeypatch):
+    """When the allocator keeps no statistics TensorFlow raises; we explain."""
+    import pytest
+    import tensorflow as tf
+
+    def no_stats(device):
+        raise ValueError(f"memory statistics are not supported for {device}")
+
+    monkeypatch.setattr(tf.config.experimental, "reset_memory_stats", no_stats)
+    with pytest.raises(memsaving.PeakMemoryUnavailableError, match="TF_CPU_ALLOCATOR_USE_BFC=true"):
+        memsaving.measure_peak(lambda: None, device="CPU:0")
+
+
+def test_import_sets_bfc_variable():
+    assert os.environ.get("TF_CPU_ALLOCATOR_USE_BFC") == "true"
+    assert memsaving.measure_peak(lambda: memsaving.__name__) >= 0
