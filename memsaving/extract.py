@@ -1,0 +1,167 @@
+"""Building the neutral :class:`~memsaving.graph.GraphModel` from a TF graph.
+
+This module and :mod:`memsaving.rewrite` are the only ones that read
+TensorFlow graphs for planning.  Sizes come from static shapes (an unknown
+dimension, usually the batch, is replaced by ``batch_size``); compute costs
+are FLOP estimates; what each op's gradient reads comes from a table of the
+gradient functions TensorFlow registers, with "all float inputs and outputs"
+as the safe default.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from memsaving.forward import ForwardGraph, _topological, is_copyable, is_trainable
+from memsaving.graph import GraphModel, OpInfo, TensorInfo
+
+EXTERNAL_OPS = frozenset({"Placeholder", "Const", "VarHandleOp", "NoOp"})
+ALIASING_OPS = frozenset({"ReadVariableOp", "Identity", "Snapshot", "StopGradient", "Reshape",
+                          "ExpandDims", "Squeeze"})
+"""Ops whose output shares its input's buffer (no new memory)."""
+
+GRAD_READS_OUTPUTS = frozenset({
+    "Relu", "Relu6", "Elu", "Selu", "Tanh", "Sigmoid", "Exp", "Sqrt", "Rsqrt",
+    "Reciprocal", "Softmax",
+})
+GRAD_READS_INPUTS = frozenset({
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D",
+    "Conv3D", "DepthwiseConv2dNative", "Mul", "Square", "Sin", "Cos", "Log",
+    "Softplus", "Abs", "Pow", "RealDiv", "Div", "LeakyRelu", "SquaredDifference",
+    "Maximum", "Minimum", "GatherV2", "ResourceGather",
+})
+GRAD_READS_NOTHING = frozenset({
+    "Add", "AddV2", "Sub", "BiasAdd", "Sum", "Mean", "Reshape", "Identity", "Neg",
+    "AddN", "ConcatV2", "Split", "SplitV", "Unpack", "Pack", "Transpose", "ExpandDims",
+    "Squeeze", "StopGradient", "Cast", "StridedSlice", "Slice", "Pad", "ReadVariableOp",
+    "Snapshot", "Shape",
+})
+MATMUL_OPS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+CONV_OPS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative"})
+
+
+def _elements(shape: tf.TensorShape, batch_size: int) -> int:
+    if shape.rank is None:
+        return batch_size
+    n = 1
+    for d in shape.as_list():
+        n *= batch_size if d is None else d
+    return int(n)
+
+
+def tensor_bytes(t: tf.Tensor, batch_size: int = 1) -> int:
+    """Bytes of ``t`` from its static shape (unknown dimensions = ``batch_size``)."""
+    if t.dtype in (tf.resource, tf.variant, tf.string):
+        return 0
+    return _elements(t.shape, batch_size) * t.dtype.size
+
+
+def op_flops(op: tf.Operation, batch_size: int = 1) -> float:
+    """A FLOP estimate: 2*M*N*K for matmuls, 2*out*window*in_channels for
+    convolutions, one per output element otherwise."""
+    out = sum(_elements(t.shape, batch_size) for t in op.outputs) or 1
+    if op.type in MATMUL_OPS and len(op.inputs) >= 2:
+        a = op.inputs[0].shape
+        transpose_a = False
+        try:
+            transpose_a = bool(op.get_attr("transpose_a") if op.type == "MatMul" else op.get_attr("adj_x"))
+        except (ValueError, TypeError):
+            pass
+        if a.rank:
+            dims = a.as_list()
+            k = dims[-2] if transpose_a else dims[-1]
+            return 2.0 * out * (k or batch_size)
+    if op.type in CONV_OPS and len(op.inputs) >= 2:
+        kernel = op.inputs[1].shape
+        if kernel.rank and None not in kernel.as_list():
+            dims = kernel.as_list()
+            window = int(np.prod(dims[:-2]))
+            cin = dims[-2] if op.type != "DepthwiseConv2dNative" else 1
+            return 2.0 * out * window * cin
+    return float(out)
+
+
+def _grad_reads(op: tf.Operation) -> List[tf.Tensor]:
+    if op.type in GRAD_READS_NOTHING:
+        return []
+    if op.type in GRAD_READS_OUTPUTS:
+        return [t for t in op.outputs if is_trainable(t)]
+    if op.type in GRAD_READS_INPUTS:
+        return [t for t in op.inputs if is_trainable(t) and t.dtype != tf.resource]
+    return [t for t in list(op.inputs) + list(op.outputs) if is_trainable(t) and t.dtype != tf.resource]
+
+
+def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional[int] = None) -> GraphModel:
+    """The neutral model of the step that computes ``fwd.ys``.
+
+    Args:
+      fwd: the forward graph (defines which ops are differentiated).
+      batch_size: replaces unknown dimensions in sizes and costs.
+      resident_bytes: memory in use before the step; default: the bytes of the
+        variables and inputs the step reads.
+    """
+    ancestors = set()
+    stack = [y.op for y in fwd.ys]
+    while stack:
+        op = stack.pop()
+        if op in ancestors or op.type in EXTERNAL_OPS:
+            continue
+        ancestors.add(op)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    ops = _topological(sorted(ancestors, key=lambda o: o._id))  # pylint: disable=protected-access
+
+    ids: Dict[int, int] = {}
+    tensors: Dict[int, TensorInfo] = {}
+    resident = 0
+
+    def tensor_id(t: tf.Tensor, producer: int) -> int:
+        nonlocal resident
+        key = id(t)
+        if key not in ids:
+            ids[key] = len(ids)
+            nbytes = tensor_bytes(t, batch_size)
+            if producer >= 0 and ops[producer].type in ALIASING_OPS:
+                nbytes = 0
+            if producer < 0:
+                resident += _external_bytes(t, batch_size)
+            tensors[ids[key]] = TensorInfo(t.name, nbytes, producer, is_trainable(t))
+        return ids[key]
+
+    position = {op: i for i, op in enumerate(ops)}
+    infos = []
+    for i, op in enumerate(ops):
+        inputs = tuple(tensor_id(t, position.get(t.op, -1)) for t in op.inputs)
+        outputs = tuple(tensor_id(t, i) for t in op.outputs)
+        reads = tuple(ids[id(t)] for t in _grad_reads(op))
+        infos.append(OpInfo(
+            name=op.name, type=op.type, inputs=inputs, outputs=outputs,
+            forward=fwd.contains_op(op), copyable=is_copyable(op),
+            grad_reads=reads, cost=op_flops(op, batch_size),
+        ))
+    xs = [tensor_id(x, position.get(x.op, -1)) for x in fwd.xs]
+    ys = [tensor_id(y, position.get(y.op, -1)) for y in fwd.ys]
+    return GraphModel(infos, tensors, xs, ys, resident if resident_bytes is None else resident_bytes)
+
+
+def _external_bytes(t: tf.Tensor, batch_size: int) -> int:
+    """Bytes behind an input of the step: a variable's value for a handle."""
+    if t.dtype == tf.resource:
+        from tensorflow.python.ops import handle_data_util  # pylint: disable=import-outside-toplevel
+
+        data = handle_data_util.get_resource_handle_data(t)
+        if data is not None and data.is_set and data.shape_and_type:
+            st = data.shape_and_type[0]
+            shape = tf.TensorShape(st.shape)
+            return _elements(shape, batch_size) * tf.as_dtype(st.dtype).size
+        return 0
+    return tensor_bytes(t, batch_size)
+
+
+def op_indices(model: GraphModel, tensors: Sequence[tf.Tensor]) -> List[int]:
+    """Indices in ``model`` of the ops producing ``tensors``."""
+    index = model.op_index()
+    return sorted({index[t.op.name] for t in tensors if t.op.name in index})

@@ -1,0 +1,191 @@
+"""Predicting the peak memory and compute of a gradient computation.
+
+Every strategy (plain backprop, any checkpoint choice) is scored here, on the
+neutral graph model, by replaying the step as a list of actions: the forward
+ops, then each backward unit's recomputation and gradient ops.  A buffer lives
+from the action that produces it to the last action that reads it, which is
+how TensorFlow's executor frees memory (reference counts), so the predicted
+peak is the largest sum of live buffers during any action, plus the memory
+resident before the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Set, Tuple
+
+from memsaving.graph import GraphModel
+from memsaving.schedule import Unit, backward_units, kept_set
+
+Key = Tuple
+
+
+@dataclass
+class Action:
+    """One op run: the buffers it reads and the buffers it creates."""
+
+    label: str
+    reads: List[Key]
+    writes: List[Tuple[Key, int]]
+    cost: float = 0.0
+
+
+@dataclass
+class Simulation:
+    """Result of replaying one plan.
+
+    Attributes:
+      peak_bytes: predicted peak (resident + live buffers).
+      forward_cost, recompute_cost, backward_cost: compute in the model's units.
+      timeline: bytes in use after each action (without resident memory).
+      labels: the action names, aligned with ``timeline``.
+    """
+
+    peak_bytes: int
+    forward_cost: float
+    recompute_cost: float
+    backward_cost: float
+    timeline: List[int] = field(repr=False, default_factory=list)
+    labels: List[str] = field(repr=False, default_factory=list)
+
+    @property
+    def compute_ratio(self) -> float:
+        """Total compute relative to plain backprop (forward + backward)."""
+        plain = self.forward_cost + self.backward_cost
+        return (plain + self.recompute_cost) / plain if plain else 1.0
+
+
+BACKWARD_COST_FACTOR = 2.0
+"""Backward of an op costs about twice its forward (two products for a
+matmul or convolution); used to report compute, not to pick plans."""
+
+
+def simulate(
+    model: GraphModel,
+    checkpoint_ops: Iterable[int] = (),
+    keep_x_gradients: bool = False,
+    kept: Optional[Set[int]] = None,
+) -> Simulation:
+    """Replay the gradient computation that keeps ``checkpoint_ops``.
+
+    With no checkpoints this is plain backprop (tf.gradients).
+
+    Args:
+      model: the graph model.
+      checkpoint_ops: indices of ops whose outputs are kept.
+      keep_x_gradients: True when the gradients of ``xs`` stay alive until
+        the end (returned to the caller); False when each is consumed as soon
+        as it is made (e.g. applied or reduced).
+      kept: the full kept set, when already computed.
+    """
+    if kept is None:
+        kept = kept_set(model, checkpoint_ops)
+    units = backward_units(model, kept)
+    actions = _actions(model, kept, units)
+    pinned = {("g", x) for x in model.xs} if keep_x_gradients else set()
+    timeline, peak = _replay(actions, pinned)
+    forward_cost = sum(op.cost for op in model.ops)
+    recompute = sum(a.cost for a in actions if a.label.startswith("recompute "))
+    backward = BACKWARD_COST_FACTOR * sum(op.cost for op in model.ops if op.forward)
+    return Simulation(
+        peak_bytes=model.resident_bytes + peak,
+        forward_cost=forward_cost,
+        recompute_cost=recompute,
+        backward_cost=backward,
+        timeline=timeline,
+        labels=[a.label for a in actions],
+    )
+
+
+def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> List[Action]:
+    tensors = model.tensors
+    xs = set(model.xs)
+    actions: List[Action] = []
+    for op in model.ops:
+        reads = [("f", t) for t in op.inputs if tensors[t].producer >= 0]
+        writes = [(("f", t), tensors[t].nbytes) for t in op.outputs]
+        actions.append(Action(f"forward {op.name}", reads, writes, op.cost))
+
+    grad_version: Dict[int, int] = {}
+
+    def grad_key(t):
+        return ("g", t, grad_version[t]) if t not in xs else ("g", t)
+
+    def add_gradient(t: int, reads: List[Key], writes: List[Tuple[Key, int]]):
+        """Contribution to the gradient of ``t``: a new buffer replacing the old sum."""
+        if t in xs:
+            writes.append((("g", t), tensors[t].nbytes))
+            return
+        if t in grad_version:
+            reads.append(grad_key(t))
+            grad_version[t] += 1
+        else:
+            grad_version[t] = 0
+        writes.append((grad_key(t), tensors[t].nbytes))
+
+    seed_writes: List[Tuple[Key, int]] = []
+    for y in model.ys:
+        if tensors[y].trainable:
+            add_gradient(y, [], seed_writes)
+    actions.append(Action("seed gradients", [], seed_writes))
+
+    def differentiate(i: int, local: Dict[int, Key], label: str):
+        op = model.ops[i]
+        reads: List[Key] = []
+        for t in op.outputs:
+            if t in grad_version:
+                reads.append(grad_key(t))
+        if not reads:
+            return
+        for t in op.grad_reads:
+            reads.append(local.get(t, ("f", t)))
+        writes: List[Tuple[Key, int]] = []
+        for t in op.inputs:
+            info = tensors[t]
+            if not info.trainable:
+                continue
+            if t in xs or (info.producer >= 0 and model.ops[info.producer].forward):
+                add_gradient(t, reads, writes)
+        actions.append(Action(f"{label} {op.name}", reads, writes, BACKWARD_COST_FACTOR * op.cost))
+
+    for unit in units:
+        local: Dict[int, Key] = {}
+        if unit.kind == "segment":
+            members = set(unit.ops)
+            for i in unit.ops:
+                op = model.ops[i]
+                reads = [local.get(t, ("f", t)) for t in op.inputs if tensors[t].producer >= 0]
+                # the copies wait on the anchor's output gradient
+                reads += [grad_key(t) for t in model.ops[unit.anchor].outputs if t in grad_version]
+                writes = []
+                for t in op.outputs:
+                    local[t] = ("c", unit.anchor, t)
+                    writes.append((local[t], tensors[t].nbytes))
+                actions.append(Action(f"recompute {op.name}", reads, writes, op.cost))
+            del members
+        for i in reversed(unit.ops):
+            differentiate(i, local, "backward")
+    return actions
+
+
+def _replay(actions: List[Action], pinned: Set[Key]) -> Tuple[List[int], int]:
+    last_read: Dict[Key, int] = {}
+    for i, action in enumerate(actions):
+        for key in action.reads:
+            last_read[key] = i
+    live: Dict[Key, int] = {}
+    in_use = 0
+    peak = 0
+    timeline = []
+    for i, action in enumerate(actions):
+        for key, nbytes in action.writes:
+            if key in live:
+                in_use -= live[key]
+            live[key] = nbytes
+            in_use += nbytes
+        peak = max(peak, in_use)
+        done = [k for k in live if k not in pinned and last_read.get(k, -1) <= i]
+        for key in done:
+            in_use -= live.pop(key)
+        timeline.append(in_use)
+    return timeline, peak
