@@ -17,6 +17,7 @@ if "tensorflow" not in _sys.modules:
     _os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 from memsaving.errors import (  # noqa: E402
+    BudgetError,
     CheckpointError,
     MemsavingError,
     PeakMemoryUnavailableError,
@@ -28,13 +29,17 @@ from memsaving.gradients import (  # noqa: E402
     gradients_collection,
     gradients_memory,
     gradients_speed,
+    plan,
 )
+from memsaving.planning import Plan  # noqa: E402
 from memsaving.measure import measure_peak  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BudgetError",
     "CHECKPOINTS_COLLECTION",
+    "Plan",
     "CheckpointError",
     "MemsavingError",
     "PeakMemoryUnavailableError",
@@ -45,4 +50,5 @@ __all__ = [
     "gradients_memory",
     "gradients_speed",
     "measure_peak",
+    "plan",
 ]

@@ -1,35 +1,24 @@
-"""Turning the ``checkpoints`` argument into a list of forward tensors."""
+"""Turning the ``checkpoints`` argument into checkpoint ops of the model."""
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import List, Sequence, Union
 
 import tensorflow as tf
 
+from memsaving import candidates
 from memsaving.errors import CheckpointError
-from memsaving.forward import ForwardGraph, is_copyable, is_trainable
-from memsaving.graph_model import activation_graph
+from memsaving.forward import ForwardGraph
+from memsaving.graph import GraphModel
 from memsaving.marking import CHECKPOINTS_COLLECTION
-from memsaving.selection import bottlenecks, select_sqrtn
-
-SPEED_OP_TYPES = frozenset(
-    {
-        "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
-        "Conv", "Conv2D", "Conv3D", "DepthwiseConv2dNative",
-        "Conv2DBackpropInput", "Conv2DBackpropInputV2", "Conv3DBackpropInputV2",
-    }
-)
-"""Op types whose outputs ``"speed"`` keeps: the expensive ones, so that the
-backward pass only recomputes cheap elementwise work.  Matched by op type,
-never by name (Keras and tf.function rename freely)."""
 
 MODES = ("collection", "speed", "memory")
 
 Checkpoints = Union[str, Sequence[tf.Tensor]]
 
 
-def resolve_checkpoints(checkpoints: Checkpoints, fwd: ForwardGraph) -> list:
-    """Return the checkpoint tensors for ``checkpoints`` on ``fwd``.
+def resolve_checkpoints(checkpoints: Checkpoints, fwd: ForwardGraph, model: GraphModel) -> List[int]:
+    """Return the indices in ``model`` of the ops whose outputs are checkpoints.
 
     Raises:
       CheckpointError: unknown mode, a given tensor that is not between xs
@@ -37,11 +26,11 @@ def resolve_checkpoints(checkpoints: Checkpoints, fwd: ForwardGraph) -> list:
     """
     if isinstance(checkpoints, str):
         if checkpoints == "collection":
-            return _from_collection(fwd)
+            return _indices(model, _from_collection(fwd))
         if checkpoints == "speed":
-            return _speed(fwd)
+            return _speed(model)
         if checkpoints == "memory":
-            return _memory(fwd)
+            return _memory(model)
         raise CheckpointError(
             f"unknown checkpoints mode {checkpoints!r}: pass a list of tensors or one of {MODES}"
         )
@@ -56,7 +45,12 @@ def resolve_checkpoints(checkpoints: Checkpoints, fwd: ForwardGraph) -> list:
             "A checkpoint must depend on xs (along float tensors) and ys must depend on it; "
             "pass tensors computed inside the same tf.function between xs and ys."
         )
-    return tensors
+    return _indices(model, tensors)
+
+
+def _indices(model: GraphModel, tensors: Sequence[tf.Tensor]) -> List[int]:
+    index = model.op_index()
+    return sorted({index[t.op.name] for t in tensors if t.op.name in index})
 
 
 def _from_collection(fwd: ForwardGraph) -> list:
@@ -77,12 +71,8 @@ def _from_collection(fwd: ForwardGraph) -> list:
     return inside
 
 
-def _speed(fwd: ForwardGraph) -> list:
-    found = [
-        op.outputs[0]
-        for op in fwd.ops
-        if op.type in SPEED_OP_TYPES and is_copyable(op) and is_trainable(op.outputs[0])
-    ]
+def _speed(model: GraphModel) -> List[int]:
+    found = candidates.speed(model)
     if not found:
         raise CheckpointError(
             "checkpoints='speed' found no MatMul/Conv/Einsum op between xs and ys; "
@@ -91,17 +81,12 @@ def _speed(fwd: ForwardGraph) -> list:
     return found
 
 
-def _memory(fwd: ForwardGraph) -> list:
-    graph, order, ops_by_name = activation_graph(fwd)
-    candidates = [
-        name for name in bottlenecks(graph, order)
-        if is_copyable(ops_by_name[name]) and any(is_trainable(t) for t in ops_by_name[name].outputs)
-    ]
-    if not candidates:
+def _memory(model: GraphModel) -> List[int]:
+    found = candidates.articulation(model)
+    if not found:
         raise CheckpointError(
             "checkpoints='memory' found no single tensor that separates the graph between "
             "xs and ys (multi-branch graphs such as towers or U-Nets have none). Pass "
             "checkpoints=[tensors] or mark them with memsaving.checkpoint, or use 'speed'."
         )
-    chosen = select_sqrtn(graph, order, candidates)
-    return [t for name in chosen for t in ops_by_name[name].outputs if is_trainable(t)]
+    return candidates.sqrtn(model, found)

@@ -21,3 +21,7 @@ class UnsupportedGraphError(MemsavingError, NotImplementedError):
 
 class PeakMemoryUnavailableError(MemsavingError, RuntimeError):
     """The allocator does not report peak memory in this process."""
+
+
+class BudgetError(MemsavingError, ValueError):
+    """No plan fits the memory budget; the message gives the smallest feasible one."""

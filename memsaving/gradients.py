@@ -16,9 +16,14 @@ import tensorflow as tf
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.ops import control_flow_util, resource_variable_ops
 
+from memsaving import candidates
+from memsaving.budget import parse_bytes, select_for_budget
 from memsaving.checkpoints import Checkpoints, resolve_checkpoints
+from memsaving.errors import CheckpointError
+from memsaving.extract import graph_model
 from memsaving.forward import forward_graph
-from memsaving.rewrite import BackwardBuilder, kept_ops
+from memsaving.planning import Plan, make_plan
+from memsaving.rewrite import BackwardBuilder
 
 logger = logging.getLogger("memsaving")
 
@@ -31,7 +36,7 @@ _do_not_convert = tf.autograph.experimental.do_not_convert
 TensorLike = Union[tf.Tensor, tf.Variable]
 
 _PASSED_THROUGH = ("gate_gradients", "aggregation_method", "colocate_gradients_with_ops")
-_ACCEPTED = frozenset(_PASSED_THROUGH + ("name", "stop_gradients", "unconnected_gradients"))
+_ACCEPTED = frozenset(_PASSED_THROUGH + ("name", "stop_gradients", "unconnected_gradients", "batch_size"))
 
 
 def _as_list(value) -> list:
@@ -67,6 +72,7 @@ def gradients(
     xs: Union[TensorLike, Sequence[TensorLike]],
     grad_ys: Optional[Union[tf.Tensor, Sequence[Optional[tf.Tensor]]]] = None,
     checkpoints: Checkpoints = "collection",
+    budget: Optional[Union[int, str]] = None,
     **kwargs,
 ) -> list:
     """Gradients of ``ys`` with respect to ``xs``, recomputing between checkpoints.
@@ -90,6 +96,10 @@ def gradients(
           only cheap ops are recomputed;
         * ``"memory"``: about sqrt(n) tensors that each separate the graph,
           spaced evenly by bytes.
+      budget: a memory budget (bytes, or a string such as ``"2GiB"``): the
+        checkpoints that minimise recomputation while the predicted peak
+        fits are chosen among the separating tensors (among ``checkpoints``
+        when a list is given, among MatMul/Conv outputs with ``"speed"``).
       **kwargs: ``name``, ``gate_gradients``, ``aggregation_method``,
         ``stop_gradients``, ``unconnected_gradients`` and
         ``colocate_gradients_with_ops``, with tf.gradients' meaning.
@@ -101,6 +111,7 @@ def gradients(
       RuntimeError: in eager mode (wrap the computation in ``tf.function``).
       TypeError: ``ys``/``xs`` are not tensors, or an unknown keyword.
       memsaving.CheckpointError: checkpoints not between xs and ys, or none found.
+      memsaving.BudgetError: no plan fits ``budget`` (says the smallest that does).
       memsaving.UnsupportedGraphError: TF1-style control flow in the graph.
     """
     if tf.executing_eagerly():
@@ -132,7 +143,6 @@ def gradients(
 
     name = kwargs.get("name") or "memsaving_gradients"
     unconnected = tf.UnconnectedGradients(kwargs.get("unconnected_gradients", "none"))
-    stop_gradients = _as_list(kwargs.get("stop_gradients") or [])
     passed = {k: kwargs[k] for k in _PASSED_THROUGH if k in kwargs}
     gradients_fn = tf.compat.v1.gradients if "colocate_gradients_with_ops" in passed else tf.gradients
 
@@ -146,22 +156,89 @@ def gradients(
             stacklevel=2,
         )
     with tf.name_scope(name):
-        ys = [y.read_value() if isinstance(y, tf.Variable) else y for y in ys]
-        xs = [x.handle if resource_variable_ops.is_resource_variable(x) else x for x in xs]
-        xs = indexed_slices.internal_convert_n_to_tensor_or_indexed_slices(xs, name="x", as_ref=True)
-        ys = indexed_slices.convert_n_to_tensor_or_indexed_slices(ys, name="y")
-        fwd = forward_graph(xs, ys, stop_gradients)
-        chosen = resolve_checkpoints(checkpoints, fwd)
-        builder = BackwardBuilder(fwd, kept_ops(fwd, chosen), gradients_fn, passed)
+        ys, xs = _graph_tensors(ys, xs)
+        fwd, plan_ = _plan(ys, xs, checkpoints, budget, kwargs)
+        by_name = {op.name: op for op in fwd.ops}
+        kept = {by_name[n] for n in plan_.kept_ops if n in by_name}
+        builder = BackwardBuilder(fwd, kept, gradients_fn, passed)
         result = builder.build(ys, grad_ys, xs, unconnected == tf.UnconnectedGradients.ZERO)
     logger.info(
-        "memsaving.gradients: %d forward ops, %d checkpoints, %d segments, %d ops recomputed",
-        len(fwd.ops), len(chosen), builder.segments, builder.recomputed_ops,
+        "memsaving.gradients: %d forward ops, %d checkpoints, %d segments, %d ops recomputed; "
+        "predicted peak %.1f MiB (plain %.1f MiB)",
+        len(fwd.ops), len(plan_.checkpoints), builder.segments, builder.recomputed_ops,
+        plan_.predicted_peak / 2**20, plan_.plain_peak / 2**20,
     )
     return result
 
 
+def _graph_tensors(ys: list, xs: list):
+    """Variables to tensors the way tf.gradients converts them (handles for xs)."""
+    ys = [y.read_value() if isinstance(y, tf.Variable) else y for y in ys]
+    xs = [x.handle if resource_variable_ops.is_resource_variable(x) else x for x in xs]
+    xs = indexed_slices.internal_convert_n_to_tensor_or_indexed_slices(xs, name="x", as_ref=True)
+    ys = indexed_slices.convert_n_to_tensor_or_indexed_slices(ys, name="y")
+    return ys, xs
+
+
+def _plan(ys, xs, checkpoints, budget, kwargs) -> tuple:
+    """Forward graph and plan shared by ``gradients`` and ``plan``."""
+    stop_gradients = _as_list(kwargs.get("stop_gradients") or [])
+    fwd = forward_graph(xs, ys, stop_gradients)
+    model = graph_model(fwd, batch_size=int(kwargs.get("batch_size") or 1))
+    keep_x = bool(kwargs.get("keep_x_gradients", False))
+    if budget is None:
+        chosen = resolve_checkpoints(checkpoints, fwd, model)
+        mode = checkpoints if isinstance(checkpoints, str) else "list"
+        return fwd, make_plan(model, chosen, mode, keep_x_gradients=keep_x)
+    budget_bytes = parse_bytes(budget)
+    if isinstance(checkpoints, str) and checkpoints == "speed":
+        pool = candidates.speed(model)
+    elif isinstance(checkpoints, str):
+        pool = candidates.articulation(model)
+    else:
+        pool = resolve_checkpoints(checkpoints, fwd, model)
+    if not pool:
+        raise CheckpointError(
+            "budget= found no candidate checkpoint (no single tensor separates the graph); "
+            "pass checkpoints=[tensors] as the candidates to choose from."
+        )
+    chosen, _ = select_for_budget(model, pool, budget_bytes, keep_x_gradients=keep_x)
+    return fwd, make_plan(model, chosen, "budget", budget=budget_bytes, keep_x_gradients=keep_x)
+
+
 @_do_not_convert
+def plan(
+    ys: Union[TensorLike, Sequence[TensorLike]],
+    xs: Union[TensorLike, Sequence[TensorLike]],
+    checkpoints: Checkpoints = "collection",
+    budget: Optional[Union[int, str]] = None,
+    batch_size: Optional[int] = None,
+    keep_x_gradients: bool = False,
+    stop_gradients=None,
+) -> Plan:
+    """The plan ``gradients`` would execute, with its predicted peak and compute.
+
+    Call it where you would call :func:`gradients` (inside a tf.function or a
+    v1 graph); it adds no ops.  ``plan(...).explain()`` prints a table of the
+    backward units (kept op, ops recomputed, kept bytes, recompute FLOPs).
+
+    Args:
+      ys, xs, checkpoints, budget: as for :func:`gradients`.
+      batch_size: replaces unknown dimensions when sizing tensors (default 1).
+      keep_x_gradients: predict as if the gradients are returned and held
+        until the end (True), or consumed as soon as made (False, default).
+      stop_gradients: as for tf.gradients.
+    """
+    if tf.executing_eagerly():
+        raise RuntimeError("memsaving.plan needs a graph: call it inside a tf.function or tf.compat.v1 graph.")
+    ys, xs = _as_list(ys), _as_list(xs)
+    _check_tensors(ys, "ys")
+    _check_tensors(xs, "xs")
+    ys, xs = _graph_tensors(ys, xs)
+    extra = {"stop_gradients": stop_gradients, "batch_size": batch_size, "keep_x_gradients": keep_x_gradients}
+    return _plan(ys, xs, checkpoints, budget, extra)[1]
+
+
 def gradients_speed(ys, xs, grad_ys=None, **kwargs) -> list:
     """``gradients(..., checkpoints="speed")``: keep MatMul/Conv/Einsum outputs."""
     return gradients(ys, xs, grad_ys, checkpoints="speed", **kwargs)

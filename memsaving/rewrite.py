@@ -58,24 +58,6 @@ class _Accumulator:
         return contributions[0]
 
 
-def kept_ops(fwd: ForwardGraph, checkpoints: Sequence[tf.Tensor]) -> set:
-    """The forward ops whose outputs are kept from the forward pass.
-
-    These are the producers of the checkpoints, every op that must not be
-    recomputed (see :func:`memsaving.forward.is_copyable`) and the producers
-    of the trainable inputs of those ops (the pass-through units need their
-    inputs as unit boundaries).
-    """
-    kept = {t.op for t in checkpoints if fwd.contains_op(t.op)}
-    for op in fwd.ops:
-        if not is_copyable(op):
-            kept.add(op)
-            for t in op.inputs:
-                if is_trainable(t) and fwd.contains_op(t.op):
-                    kept.add(t.op)
-    return kept
-
-
 class BackwardBuilder:
     """Builds the backward pass of one ``memsaving.gradients`` call."""
 
@@ -93,6 +75,11 @@ class BackwardBuilder:
         self.grads = _Accumulator()
         self.recomputed_ops = 0
         self.segments = 0
+        # gradients made by the unit built last: the next segment's copies
+        # also wait on them, so a unit's weight gradients are computed before
+        # the next segment is recomputed (else the executor may defer them
+        # and keep every segment's activations alive at once)
+        self.previous_results: list = []
 
     # -- predicates ---------------------------------------------------------
     def is_kept(self, tensor: tf.Tensor) -> bool:
@@ -144,6 +131,7 @@ class BackwardBuilder:
         )
         for t, g in zip(boundary, results):
             self.grads.add(t, g)
+        self.previous_results = [g for g in results if g is not None]
 
     def unit(self, op: tf.Operation) -> None:
         """Propagate the gradients of kept op ``op``'s outputs to its inputs."""
@@ -190,13 +178,15 @@ class BackwardBuilder:
         )
         for t, g in zip(inputs, results):
             self.grads.add(t, g)
+        self.previous_results = [g for g in results if g is not None]
 
     def _segment(self, op, outs, out_grads) -> None:
         """Recompute ``op``'s segment after its output gradients exist."""
         ops = self.closure([op])
         wait_for = []
-        for g in out_grads:
+        for g in list(out_grads) + self.previous_results:
             wait_for.extend(producing_ops(g))
+        wait_for = list({id(o): o for o in wait_for}.values())
         self.segments += 1
         prefix = f"recompute_{self.segments}/"
         boundary = self._boundary(ops)
@@ -225,6 +215,7 @@ class BackwardBuilder:
         )
         for t, g in zip(boundary, results):
             self.grads.add(t, g)
+        self.previous_results = [g for g in results if g is not None]
 
     # -- driver -------------------------------------------------------------
     def build(self, ys, grad_ys, xs, unconnected_zero: bool) -> list:

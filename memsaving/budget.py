@@ -1,0 +1,196 @@
+"""Choosing checkpoints under a memory budget (no TensorFlow).
+
+A dynamic program over the chain of candidate checkpoints (ops that every
+input-to-output path crosses) picks the subset that minimises recomputed
+FLOPs while a surrogate of the backward peak stays within the budget; the
+surrogate is then checked with the simulator, the one judge of every plan, and
+the budget the DP works with is tightened until the simulated peak fits.
+
+Surrogate: during the backward pass of the segment between kept candidates
+``a`` and ``b``, memory holds every kept output up to ``a`` plus the forward
+tensors the segment's gradients read plus the segment's largest gradient
+buffers.  Recomputing that segment costs the FLOPs of its ops (the segment
+after the last checkpoint is differentiated in place and costs nothing).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from memsaving.errors import BudgetError
+from memsaving.graph import GraphModel
+from memsaving.simulate import simulate
+
+_UNITS = {
+    "": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+    "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
+}
+
+
+def parse_bytes(value: Union[int, float, str]) -> int:
+    """``2GiB``, ``"512 MB"``, ``1.5e9`` or ``1073741824`` -> bytes."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        result = int(value)
+    elif isinstance(value, float):
+        result = int(value)
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"cannot read memory budget {value!r}: use bytes (int) or a number with a unit "
+                "such as '512MiB', '2GiB', '1.5GB'"
+            )
+        result = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    else:
+        raise TypeError(f"budget must be an int number of bytes or a string like '2GiB', got {value!r}")
+    if result <= 0:
+        raise ValueError(f"budget must be positive, got {value!r}")
+    return result
+
+
+@dataclass
+class _Chain:
+    positions: List[int]  # op index of each candidate, plus start (-1) and end (n)
+    kept: np.ndarray  # bytes kept by each candidate
+    cost_prefix: np.ndarray  # cumulative forward cost by op position
+    reads_prefix: np.ndarray  # cumulative grad-read bytes by op position
+    largest: np.ndarray  # largest tensor per op position (gradient buffers)
+
+
+def _chain(model: GraphModel, candidates: Sequence[int]) -> _Chain:
+    n = len(model.ops)
+    cost = np.zeros(n + 1)
+    reads = np.zeros(n + 1)
+    largest = np.zeros(n)
+    for i, op in enumerate(model.ops):
+        fwd = op.forward
+        cost[i + 1] = cost[i] + (op.cost if fwd else 0.0)
+        reads[i + 1] = reads[i] + (sum(model.tensors[t].nbytes for t in op.grad_reads) if fwd else 0)
+        largest[i] = max([model.tensors[t].nbytes for t in op.outputs] + [0]) if fwd else 0
+    kept = np.array([sum(model.tensors[t].nbytes for t in model.ops[c].outputs) for c in candidates], dtype=float)
+    return _Chain([-1] + list(candidates) + [n], kept, cost, reads, largest)
+
+
+def _surrogate_dp(chain: _Chain, budget: float, buckets: int = 256) -> Optional[List[int]]:
+    """Indices (into the candidate list) of the cheapest surrogate-feasible subset."""
+    m = len(chain.positions) - 2
+    total_kept = float(chain.kept.sum()) if m else 0.0
+    scale = max(total_kept, 1.0) / buckets
+    kept_units = np.ceil(chain.kept / scale).astype(int) if m else np.zeros(0, int)
+    size = int(kept_units.sum()) + 1
+    inf = np.inf
+    best = [np.full(size, inf) for _ in range(m + 2)]
+    parent = [np.full(size, -1, dtype=int) for _ in range(m + 2)]
+    best[0][0] = 0.0
+    pos = chain.positions
+    for b in range(1, m + 2):
+        last = b == m + 1
+        hi = pos[b] if not last else len(chain.largest) - 1
+        for a in range(0, b):
+            if not np.isfinite(best[a]).any():
+                continue
+            lo = pos[a] + 1
+            seg_reads = chain.reads_prefix[hi + 1] - chain.reads_prefix[lo]
+            seg_largest = chain.largest[lo:hi + 1].max() if hi >= lo else 0.0
+            memory = seg_reads + 2 * seg_largest
+            recompute = 0.0 if last else chain.cost_prefix[hi + 1] - chain.cost_prefix[lo]
+            allowed = int(np.floor((budget - memory) / scale))
+            if allowed < 0:
+                continue
+            src = best[a][: min(allowed + 1, size)]
+            if last:
+                candidate = src + recompute
+                shift = 0
+            else:
+                shift = kept_units[b - 1]
+                candidate = src + recompute
+            width = min(len(candidate), size - shift)
+            if width <= 0:
+                continue
+            target = best[b][shift: shift + width]
+            better = candidate[:width] < target
+            if better.any():
+                target[better] = candidate[:width][better]
+                parent[b][shift: shift + width][better] = a
+    final = best[m + 1]
+    if not np.isfinite(final).any():
+        return None
+    state = int(np.argmin(final))
+    chosen = []
+    b = m + 1
+    while b > 0:
+        a = int(parent[b][state])
+        if b != m + 1:
+            state -= kept_units[b - 1]
+        if a > 0:
+            chosen.append(a - 1)
+        b = a
+    return sorted(chosen)
+
+
+def select_for_budget(
+    model: GraphModel,
+    candidates: Sequence[int],
+    budget: int,
+    keep_x_gradients: bool = False,
+    rounds: int = 8,
+) -> Tuple[List[int], int]:
+    """Checkpoint ops minimising recomputation with simulated peak <= ``budget``.
+
+    Returns ``(checkpoint_ops, simulated_peak)``.
+
+    Raises:
+      BudgetError: no candidate subset fits; the message gives the smallest
+        budget found feasible.
+    """
+    chain = _chain(model, candidates)
+    resident = model.resident_bytes
+    target = float(budget - resident)
+    best: Optional[Tuple[float, List[int], int]] = None
+    smallest: Optional[Tuple[int, List[int]]] = None
+    tried = set()
+    for _ in range(rounds):
+        picked = _surrogate_dp(chain, target) if target > 0 else None
+        if picked is None:
+            break
+        ops = [candidates[i] for i in picked]
+        key = tuple(ops)
+        if key in tried:
+            target *= 0.9
+            continue
+        tried.add(key)
+        sim = simulate(model, ops, keep_x_gradients=keep_x_gradients)
+        if smallest is None or sim.peak_bytes < smallest[0]:
+            smallest = (sim.peak_bytes, ops)
+        if sim.peak_bytes <= budget:
+            if best is None or sim.recompute_cost < best[0]:
+                best = (sim.recompute_cost, ops, sim.peak_bytes)
+            break
+        target -= sim.peak_bytes - budget
+    if best is not None:
+        return best[1], best[2]
+    floor = minimum_peak(model, candidates, keep_x_gradients)
+    raise BudgetError(
+        f"no checkpoint plan fits the budget of {budget / 2**20:.1f} MiB; the smallest feasible "
+        f"budget found is {floor / 2**20:.1f} MiB ({floor} bytes), of which "
+        f"{resident / 2**20:.1f} MiB are parameters and inputs. Raise the budget, or reduce "
+        "the batch size."
+    )
+
+
+def minimum_peak(model: GraphModel, candidates: Sequence[int], keep_x_gradients: bool = False) -> int:
+    """The smallest simulated peak over DP plans for a range of budgets."""
+    chain = _chain(model, candidates)
+    plain = simulate(model, keep_x_gradients=keep_x_gradients).peak_bytes
+    best = plain
+    for fraction in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7):
+        picked = _surrogate_dp(chain, fraction * (plain - model.resident_bytes))
+        if picked is None:
+            continue
+        ops = [candidates[i] for i in picked]
+        best = min(best, simulate(model, ops, keep_x_gradients=keep_x_gradients).peak_bytes)
+    return best

@@ -1,0 +1,124 @@
+"""A checkpointing plan and its predicted cost (no TensorFlow).
+
+A :class:`Plan` says which ops' outputs are kept, which ops each backward
+segment recomputes, and what the simulator predicts: peak bytes and compute
+relative to plain backprop.  ``memsaving.plan`` returns it and
+``memsaving.gradients`` executes the same plan.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, TextIO
+
+from memsaving.graph import GraphModel
+from memsaving.schedule import backward_units, kept_set
+from memsaving.simulate import Simulation, simulate
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One backward unit of the plan."""
+
+    kind: str  # "output", "segment" or "pass"
+    anchor: str  # the kept op that starts it ("" for the output unit)
+    ops: int  # ops differentiated (and recomputed, for "segment")
+    kept_bytes: int  # bytes of the anchor's outputs kept from the forward pass
+    recompute_cost: float  # FLOPs recomputed
+
+
+@dataclass
+class Plan:
+    """What memsaving will do for one gradient computation.
+
+    Attributes:
+      mode: how checkpoints were chosen ("speed", "memory", "budget", a list...).
+      checkpoints: names of the checkpoint tensors.
+      kept_ops: names of every op whose outputs are kept (checkpoints plus ops
+        that are never recomputed).
+      segments: the backward units, from the output back to the inputs.
+      predicted_peak: simulated peak bytes, including resident memory.
+      plain_peak: simulated peak bytes of plain tf.gradients.
+      predicted_compute: forward + recompute + backward relative to plain.
+      budget: the memory budget in bytes, when one was given.
+      resident_bytes: memory counted as in use before the step (parameters,
+        inputs); part of ``predicted_peak``.
+    """
+
+    mode: str
+    checkpoints: List[str]
+    kept_ops: List[str]
+    segments: List[Segment]
+    predicted_peak: int
+    plain_peak: int
+    predicted_compute: float
+    budget: Optional[int] = None
+    resident_bytes: int = 0
+    simulation: Optional[Simulation] = field(default=None, repr=False)
+
+    def explain(self, file: Optional[TextIO] = None) -> str:
+        """Print a readable table of the plan (to ``file``, default stdout) and return it."""
+        text = self.table()
+        (file if file is not None else sys.stdout).write(text)
+        return text
+
+    def table(self) -> str:
+        """The table ``explain`` prints: one row per backward unit."""
+        out = io.StringIO()
+        mib = 2 ** 20
+        out.write(f"memsaving plan ({self.mode}): {len(self.checkpoints)} checkpoints, "
+                  f"{sum(s.kind == 'segment' for s in self.segments)} recomputed segments\n")
+        out.write(f"predicted peak {self.predicted_peak / mib:.1f} MiB "
+                  f"(plain tf.gradients {self.plain_peak / mib:.1f} MiB, "
+                  f"{self.plain_peak / max(self.predicted_peak, 1):.2f}x lower)")
+        if self.budget is not None:
+            out.write(f", budget {self.budget / mib:.1f} MiB")
+        out.write(f"\npredicted compute {self.predicted_compute:.2f}x a plain step\n\n")
+        out.write(f"{'#':>3}  {'unit':8} {'starts at (kept op)':40} {'ops':>5} {'kept MiB':>9} {'recompute MFLOP':>16}\n")
+        for n, s in enumerate(self.segments):
+            anchor = s.anchor if len(s.anchor) <= 40 else "..." + s.anchor[-37:]
+            out.write(f"{n:>3}  {s.kind:8} {anchor:40} {s.ops:>5} {s.kept_bytes / mib:>9.2f} "
+                      f"{s.recompute_cost / 1e6:>16.2f}\n")
+        return out.getvalue()
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def make_plan(
+    model: GraphModel,
+    checkpoint_ops: Sequence[int],
+    mode: str,
+    budget: Optional[int] = None,
+    keep_x_gradients: bool = False,
+) -> Plan:
+    """Score the plan that keeps ``checkpoint_ops`` and describe it."""
+    kept = kept_set(model, checkpoint_ops)
+    sim = simulate(model, kept=kept, keep_x_gradients=keep_x_gradients)
+    plain = simulate(model, keep_x_gradients=keep_x_gradients)
+    segments = []
+    for unit in backward_units(model, kept):
+        anchor = model.ops[unit.anchor] if unit.anchor >= 0 else None
+        kept_bytes = sum(model.tensors[t].nbytes for t in anchor.outputs) if anchor else 0
+        recompute = sum(model.ops[i].cost for i in unit.ops) if unit.kind == "segment" else 0.0
+        if unit.kind == "pass" and model.ops[unit.anchor].type == "ReadVariableOp":
+            continue
+        segments.append(Segment(unit.kind, anchor.name if anchor else "", len(unit.ops), kept_bytes, recompute))
+    checkpoints = [
+        model.tensors[t].name for i in sorted(set(checkpoint_ops)) for t in model.ops[i].outputs
+        if model.tensors[t].trainable
+    ]
+    return Plan(
+        mode=mode,
+        checkpoints=checkpoints,
+        kept_ops=[model.ops[i].name for i in sorted(kept)],
+        segments=segments,
+        predicted_peak=sim.peak_bytes,
+        plain_peak=plain.peak_bytes,
+        predicted_compute=sim.compute_ratio,
+        budget=budget,
+        resident_bytes=model.resident_bytes,
+        simulation=sim,
+    )

@@ -1,0 +1,130 @@
+"""memsaving.plan against measurement: predicted peaks and budgets that hold.
+
+Activation memory is compared: measured peak minus the memory in use before
+the step (other tests' variables live in the same process) against the
+predicted peak minus the resident bytes the model counted.
+"""
+
+import pytest
+import tensorflow as tf
+
+import memsaving
+from helpers import assert_close
+
+BATCH, WIDTH = 512, 128
+
+
+def _weights(n, seed=0):
+    return [tf.Variable(tf.random.normal([WIDTH, WIDTH], stddev=WIDTH ** -0.5, seed=seed + i)) for i in range(n)]
+
+
+def mlp(x, ws):
+    h, cps = x, []
+    for i, w in enumerate(ws):
+        h = tf.nn.relu(tf.matmul(h, w))
+        if i % 5 == 4:
+            cps.append(h)
+    return tf.reduce_sum(h * h), cps
+
+
+def residual(x, ws):
+    h, cps = x, []
+    for i in range(0, len(ws), 2):
+        h = h + tf.matmul(tf.tanh(tf.matmul(h, ws[i])), ws[i + 1])
+        if i % 6 == 4:
+            cps.append(h)
+    return tf.reduce_mean(tf.square(h)), cps
+
+
+def two_tower(x, ws):
+    half = len(ws) // 2
+    a, b, cps = x, tf.sin(x), []
+    for i in range(half):
+        a = tf.nn.relu(tf.matmul(a, ws[i]))
+        b = tf.tanh(tf.matmul(b, ws[half + i]))
+        if i % 4 == 3:
+            cps += [a, b]
+    return tf.reduce_sum(a * b), cps
+
+
+MODELS = [(mlp, 30), (residual, 30), (two_tower, 24)]
+
+
+def _measure(forward, ws, checkpoints, budget=None):
+    captured = {}
+
+    @tf.function
+    def step(x):
+        loss, cps = forward(x, ws)
+        chosen = cps if checkpoints == "model" else checkpoints
+        if checkpoints is None:
+            captured["plan"] = memsaving.plan(loss, ws, checkpoints=[])
+            grads = tf.gradients(loss, ws)
+        else:
+            captured["plan"] = memsaving.plan(loss, ws, checkpoints=chosen, budget=budget)
+            grads = memsaving.gradients(loss, ws, checkpoints=chosen, budget=budget)
+        return tf.add_n([tf.reduce_sum(g) for g in grads])
+
+    x = tf.random.normal([BATCH, WIDTH], seed=7)
+    value = step(x)
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    measured = memsaving.measure_peak(step, x) - before
+    plan = captured["plan"]
+    return plan, measured, float(value)
+
+
+@pytest.mark.parametrize("forward, depth", MODELS, ids=[m[0].__name__ for m in MODELS])
+@pytest.mark.parametrize("checkpoints", [None, "model"], ids=["plain", "checkpointed"])
+def test_predicted_peak_within_15_percent(forward, depth, checkpoints):
+    ws = _weights(depth)
+    plan, measured, _ = _measure(forward, ws, checkpoints)
+    predicted_activations = plan.predicted_peak - plan.resident_bytes
+    print(f"{forward.__name__} {checkpoints}: predicted {predicted_activations / 2**20:.2f} MiB, "
+          f"measured {measured / 2**20:.2f} MiB")
+    assert abs(predicted_activations - measured) <= 0.15 * measured
+
+
+def test_budget_plan_fits_when_measured_and_gradients_match():
+    ws = _weights(40, seed=100)
+    plain_plan, plain_measured, _ = _measure(mlp, ws, None)
+    resident = plain_plan.resident_bytes
+    budget = resident + int(0.45 * (plain_plan.plain_peak - resident))
+    plan, measured, _ = _measure(mlp, ws, "memory", budget=budget)
+    assert plan.mode == "budget" and plan.predicted_peak <= budget
+    assert measured <= 0.45 * plain_measured * 1.15
+
+    @tf.function
+    def both(x):
+        loss, _ = mlp(x, ws)
+        return tf.gradients(loss, ws), memsaving.gradients(loss, ws, budget=budget)
+
+    plain_grads, budget_grads = both(tf.random.normal([BATCH, WIDTH], seed=7))
+    assert_close([g.numpy() for g in plain_grads], [g.numpy() for g in budget_grads])
+    looser, _, _ = _measure(mlp, ws, "memory", budget=resident + int(0.8 * (plain_plan.plain_peak - resident)))
+    assert looser.predicted_compute <= plan.predicted_compute
+
+
+def test_infeasible_budget_raises_with_smallest_budget():
+    ws = _weights(10, seed=200)
+
+    @tf.function
+    def step(x):
+        loss, _ = mlp(x, ws)
+        return memsaving.gradients(loss, ws, checkpoints="memory", budget="1KiB")
+
+    with pytest.raises(memsaving.BudgetError, match="smallest feasible budget found is"):
+        step.get_concrete_function(tf.TensorSpec([BATCH, WIDTH]))
+
+
+def test_plan_explain_in_a_traced_function(capsys):
+    ws = _weights(12, seed=300)
+
+    @tf.function
+    def step(x):
+        loss, cps = mlp(x, ws)
+        memsaving.plan(loss, ws, checkpoints="memory").explain()
+        return loss
+
+    step.get_concrete_function(tf.TensorSpec([BATCH, WIDTH]))
+    out = capsys.readouterr().out
+    assert "memsaving plan (memory)" in out and "recompute MFLOP" in out

@@ -1,0 +1,91 @@
+"""The simulator and planner on hand-made graph models (no TensorFlow graph)."""
+
+import pytest
+
+from memsaving.budget import parse_bytes, select_for_budget
+from memsaving.errors import BudgetError
+from memsaving.graph import GraphModel, OpInfo, TensorInfo, chain_model, validate_model
+from memsaving.planning import make_plan
+from memsaving.schedule import backward_units, kept_set
+from memsaving.simulate import simulate
+
+
+def test_plain_chain_holds_every_activation():
+    n, size = 20, 100
+    model = chain_model([size] * n, grad_reads="input")
+    validate_model(model)
+    sim = simulate(model)
+    # all n activations are alive when backprop starts, plus the seed gradient
+    assert sim.peak_bytes >= n * size
+    assert sim.peak_bytes <= (n + 3) * size
+    assert sim.recompute_cost == 0
+    assert sim.compute_ratio == 1.0
+
+
+def test_sqrt_n_checkpoints_cut_peak_and_cost_one_forward_at_most():
+    n, size = 36, 100
+    model = chain_model([size] * n, grad_reads="input")
+    plain = simulate(model)
+    ours = simulate(model, checkpoint_ops=[5, 11, 17, 23, 29])
+    assert ours.peak_bytes < plain.peak_bytes / 2.5
+    assert 0 < ours.recompute_cost <= model.forward_cost()
+    assert 1.0 < ours.compute_ratio <= 4.0 / 3.0 + 1e-9
+
+
+def test_output_reading_gradients_keep_outputs():
+    model = chain_model([100] * 10, grad_reads="output")
+    sim = simulate(model, checkpoint_ops=[4])
+    units = backward_units(model, kept_set(model, [4]))
+    assert [u.kind for u in units] == ["output", "segment"]
+    assert units[1].ops == (0, 1, 2, 3, 4)
+    assert sim.peak_bytes < simulate(model).peak_bytes
+
+
+def test_stateful_op_and_its_inputs_are_kept():
+    tensors = {0: TensorInfo("x", 10)}
+    ops = []
+    for i in range(4):
+        tensors[i + 1] = TensorInfo(f"t{i + 1}", 10, i)
+        ops.append(OpInfo(f"op{i}", "Op", (i,), (i + 1,), copyable=(i != 2), grad_reads=(i,)))
+    model = GraphModel(ops, tensors, xs=[0], ys=[4])
+    assert kept_set(model, []) == {1, 2}
+
+
+def test_plan_explain_lists_units():
+    model = chain_model([2 ** 20] * 16)
+    plan = make_plan(model, [3, 7, 11], "list")
+    text = plan.table()
+    assert "predicted peak" in text and "segment" in text
+    assert plan.predicted_peak < plan.plain_peak
+    assert len([s for s in plan.segments if s.kind == "segment"]) == 3
+
+
+def test_budget_selection_fits_and_prefers_less_recompute():
+    model = chain_model([1000] * 49, costs=[1.0] * 49)
+    plain = simulate(model).peak_bytes
+    loose, peak_loose = select_for_budget(model, list(range(48)), int(plain * 0.6))
+    tight, peak_tight = select_for_budget(model, list(range(48)), int(plain * 0.3))
+    assert peak_loose <= plain * 0.6 and peak_tight <= plain * 0.3
+    cost_loose = simulate(model, loose).recompute_cost
+    cost_tight = simulate(model, tight).recompute_cost
+    assert cost_loose <= cost_tight
+
+
+def test_infeasible_budget_names_smallest_feasible():
+    model = chain_model([1000] * 25)
+    with pytest.raises(BudgetError, match="smallest feasible budget") as err:
+        select_for_budget(model, list(range(24)), 500)
+    assert "MiB" in str(err.value)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("2GiB", 2 * 2 ** 30), ("512 MiB", 512 * 2 ** 20), ("1.5GB", 1_500_000_000), (4096, 4096), ("100", 100),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["two gigs", "-1GiB", 0, "5 parsecs"])
+def test_parse_bytes_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_bytes(bad)
