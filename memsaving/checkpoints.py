@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import List, Sequence, Union
 
 import tensorflow as tf
@@ -13,6 +14,8 @@ from memsaving.graph import GraphModel
 from memsaving.marking import CHECKPOINTS_COLLECTION
 
 MODES = ("collection", "speed", "memory")
+
+logger = logging.getLogger("memsaving")
 
 Checkpoints = Union[str, Sequence[tf.Tensor]]
 
@@ -82,11 +85,10 @@ def _speed(model: GraphModel) -> List[int]:
 
 
 def _memory(model: GraphModel) -> List[int]:
-    found = candidates.articulation(model)
-    if not found:
-        raise CheckpointError(
-            "checkpoints='memory' found no single tensor that separates the graph between "
-            "xs and ys (multi-branch graphs such as towers or U-Nets have none). Pass "
-            "checkpoints=[tensors] or mark them with memsaving.checkpoint, or use 'speed'."
-        )
-    return candidates.sqrtn(model, found)
+    cuts = candidates.memory_candidates(model)
+    if not cuts:
+        # Only graphs with (almost) no ops between xs and ys have no cut at
+        # all; there is nothing to recompute, so plain backprop is the plan.
+        logger.info("checkpoints='memory': no cut between xs and ys; nothing to recompute")
+        return []
+    return candidates.sqrtn_sets(model, cuts)
