@@ -184,7 +184,7 @@ class BackwardBuilder:
         """Recompute ``op``'s segment after its output gradients exist."""
         ops = self.closure([op])
         wait_for = []
-        for g in list(out_grads) + self.previous_results:
+        for g in list(out_grads) + [g for g in self.previous_results if not _fusable_bias_gradient(g)]:
             wait_for.extend(producing_ops(g))
         wait_for = list({id(o): o for o in wait_for}.values())
         self.segments += 1
@@ -229,6 +229,23 @@ class BackwardBuilder:
                 g = default_gradient.zeros_like(x)
             results.append(g)
         return results
+
+
+def _fusable_bias_gradient(gradient) -> bool:
+    """True for a bias gradient (BiasAddGrad, possibly reshaped).
+
+    oneDNN/Grappler fuse BiasAddGrad with the Conv2DBackpropFilter that reads
+    the same incoming gradient.  When a checkpoint sits between a convolution
+    and its BiasAdd, those two ops belong to consecutive segments; a copy of
+    the later segment waiting on the fused op would wait on itself (a cycle,
+    seen on VGG16).  Such small gradients are therefore not waited on.
+    """
+    if gradient is None or isinstance(gradient, tf.IndexedSlices):
+        return False
+    op = gradient.op
+    while op.type in ("Reshape", "Identity") and op.inputs:
+        op = op.inputs[0].op
+    return op.type == "BiasAddGrad"
 
 
 def copy_op(op: tf.Operation, inputs: list, control_inputs: list, prefix: str) -> tf.Operation:

@@ -236,3 +236,61 @@ def test_xla_function_warns():
 
     with pytest.warns(UserWarning, match="XLA"):
         step.get_concrete_function(tf.TensorSpec([2, 3]))
+
+
+def _keras_case(model, x, mode):
+    @tf.function
+    def step(x):
+        loss = tf.reduce_mean(model(x, training=True) ** 2)
+        return tf.gradients(loss, model.trainable_variables), memsaving.gradients(
+            loss, model.trainable_variables, checkpoints=mode)
+
+    plain, ours = step(x)
+    scale = max(float(np.max(np.abs(p.numpy()))) for p in plain)
+    worst = max(float(np.max(np.abs(p.numpy() - o.numpy()))) for p, o in zip(plain, ours))
+    assert worst <= 1e-5 * scale, f"max difference {worst:.3g} for gradient scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("mode", ["speed", "memory"])
+def test_keras_conv_net_with_checkpoints_between_conv_and_bias(mode):
+    """'speed' keeps conv outputs, so a conv and its BiasAdd fall in two
+    segments; oneDNN fuses their gradients, which once made a cycle."""
+    import keras
+
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((16, 16, 3))
+    h = inp
+    for filters in (8, 8, 16, 16):
+        h = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(h)
+        if filters == 8:
+            continue
+        h = keras.layers.MaxPooling2D()(h)
+    model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.Flatten()(h)))
+    _keras_case(model, tf.random.normal([4, 16, 16, 3], seed=1), mode)
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_keras_recurrent_layers(unroll):
+    import keras
+
+    keras.utils.set_random_seed(4)
+    inp = keras.Input((6, 5))
+    h = keras.layers.LSTM(8, return_sequences=True, unroll=unroll)(inp)
+    h = keras.layers.Dense(8, activation="relu")(h)
+    h = keras.layers.GRU(4, unroll=unroll)(h)
+    model = keras.Model(inp, keras.layers.Dense(1)(h))
+    _keras_case(model, tf.random.normal([3, 6, 5], seed=2), "memory")
+
+
+def test_keras_attention_block():
+    import keras
+
+    keras.utils.set_random_seed(5)
+    inp = keras.Input((8, 16))
+    a = keras.layers.MultiHeadAttention(2, 8)(inp, inp)
+    h = keras.layers.LayerNormalization()(inp + a)
+    h = keras.layers.Dense(32, activation="gelu")(h)
+    h = keras.layers.LayerNormalization()(keras.layers.Dense(16)(h) + inp)
+    model = keras.Model(inp, keras.layers.GlobalAveragePooling1D()(h))
+    for mode in ("memory", "speed"):
+        _keras_case(model, tf.random.normal([2, 8, 16], seed=3), mode)
