@@ -31,6 +31,16 @@ _UNITS = {
 }
 
 
+def format_bytes(count: int) -> str:
+    """``1536`` -> ``'1.5 KiB'``: a readable size for messages and tables."""
+    value = float(count)
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{int(value)} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
 def parse_bytes(value: Union[int, float, str]) -> int:
     """``2GiB``, ``"512 MB"``, ``1.5e9`` or ``1073741824`` -> bytes."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
@@ -61,7 +71,7 @@ class _Chain:
     largest: np.ndarray  # largest tensor per op position (gradient buffers)
 
 
-def _chain(model: GraphModel, candidates: Sequence[int]) -> _Chain:
+def _chain(model: GraphModel, candidates: Sequence[int], kept_bytes: Optional[Sequence[int]] = None) -> _Chain:
     n = len(model.ops)
     cost = np.zeros(n + 1)
     reads = np.zeros(n + 1)
@@ -71,7 +81,9 @@ def _chain(model: GraphModel, candidates: Sequence[int]) -> _Chain:
         cost[i + 1] = cost[i] + (op.cost if fwd else 0.0)
         reads[i + 1] = reads[i] + (sum(model.tensors[t].nbytes for t in op.grad_reads) if fwd else 0)
         largest[i] = max([model.tensors[t].nbytes for t in op.outputs] + [0]) if fwd else 0
-    kept = np.array([sum(model.tensors[t].nbytes for t in model.ops[c].outputs) for c in candidates], dtype=float)
+    if kept_bytes is None:
+        kept_bytes = [sum(model.tensors[t].nbytes for t in model.ops[c].outputs) for c in candidates]
+    kept = np.array(kept_bytes, dtype=float)
     return _Chain([-1] + list(candidates) + [n], kept, cost, reads, largest)
 
 
@@ -134,63 +146,121 @@ def _surrogate_dp(chain: _Chain, budget: float, buckets: int = 256) -> Optional[
 
 def select_for_budget(
     model: GraphModel,
-    candidates: Sequence[int],
+    candidates: Sequence[Union[int, Sequence[int]]],
     budget: int,
     keep_x_gradients: bool = False,
     rounds: int = 8,
+    max_evaluations: Optional[int] = None,
 ) -> Tuple[List[int], int]:
     """Checkpoint ops minimising recomputation with simulated peak <= ``budget``.
+
+    ``candidates`` are op indices or sets of op indices (cuts), ordered from
+    the inputs to the outputs.  Three steps, every plan judged by the
+    simulator: the surrogate DP (its budget tightened until the simulated
+    peak fits), evenly spaced plans as a fallback, greedy additions while
+    nothing fits, then a local search that drops or shifts checkpoints while
+    the plan still fits and gets cheaper.  The number of simulations is
+    bounded (``max_evaluations``, scaled down for large graphs).
 
     Returns ``(checkpoint_ops, simulated_peak)``.
 
     Raises:
-      BudgetError: no candidate subset fits; the message gives the smallest
+      BudgetError: nothing found fits; the message gives the smallest
         budget found feasible.
     """
-    chain = _chain(model, candidates)
-    resident = model.resident_bytes
-    target = float(budget - resident)
-    best: Optional[Tuple[float, List[int], int]] = None
-    smallest: Optional[Tuple[int, List[int]]] = None
-    tried = set()
+    cuts = [[c] if isinstance(c, (int, np.integer)) else list(c) for c in candidates]
+    positions = [max(cut) for cut in cuts]
+    if max_evaluations is None:
+        max_evaluations = max(40, 60_000 // max(len(model.ops), 1))
+    cache = {}
+
+    def evaluate(chosen: Tuple[int, ...]):
+        if chosen not in cache:
+            ops = sorted({i for k in chosen for i in cuts[k]})
+            sim = simulate(model, ops, keep_x_gradients=keep_x_gradients)
+            cache[chosen] = (sim.recompute_cost, sim.peak_bytes)
+        return cache[chosen]
+
+    def feasible(chosen):
+        return evaluate(chosen)[1] <= budget
+
+    best: Optional[Tuple[int, ...]] = None
+
+    def consider(chosen: Tuple[int, ...]):
+        nonlocal best
+        if feasible(chosen) and (best is None or evaluate(chosen)[0] < evaluate(best)[0]):
+            best = chosen
+
+    # 1. the surrogate DP, tightened until the simulated peak fits
+    chain = _chain(model, positions, [sum(model.tensors[t].nbytes for i in cut for t in model.ops[i].outputs) for cut in cuts])
+    target = float(budget - model.resident_bytes)
     for _ in range(rounds):
         picked = _surrogate_dp(chain, target) if target > 0 else None
         if picked is None:
             break
-        ops = [candidates[i] for i in picked]
-        key = tuple(ops)
-        if key in tried:
-            target *= 0.9
-            continue
-        tried.add(key)
-        sim = simulate(model, ops, keep_x_gradients=keep_x_gradients)
-        if smallest is None or sim.peak_bytes < smallest[0]:
-            smallest = (sim.peak_bytes, ops)
-        if sim.peak_bytes <= budget:
-            if best is None or sim.recompute_cost < best[0]:
-                best = (sim.recompute_cost, ops, sim.peak_bytes)
+        chosen = tuple(picked)
+        consider(chosen)
+        if feasible(chosen):
             break
-        target -= sim.peak_bytes - budget
+        target -= evaluate(chosen)[1] - budget
+    # 2. evenly spaced plans of every size (cheap, and robust where the
+    #    surrogate misjudges)
+    m = len(cuts)
+    for k in range(1, min(m, 2 * int(np.sqrt(m)) + 2) + 1):
+        if len(cache) >= max_evaluations:
+            break
+        consider(tuple(sorted({int(round((j + 1) * (m + 1) / (k + 1))) - 1 for j in range(k)} & set(range(m)))))
+    # 3. local search over add / drop / shift-by-one moves.  While nothing
+    #    fits, a move is better when it lowers the simulated peak; once a
+    #    plan fits, when it fits and recomputes less.
+    def score(chosen):
+        cost, peak = evaluate(chosen)
+        return (0, cost) if peak <= budget else (1, peak)
+
+    current = best if best is not None else (min(cache, key=lambda c: cache[c][1]) if cache else ())
+    improved = True
+    while improved and len(cache) < max_evaluations:
+        improved = False
+        members = list(current)
+        moves = [tuple(c for c in members if c != drop) for drop in members]
+        for idx, c in enumerate(members):
+            for step in (-1, 1):
+                moved = c + step
+                if 0 <= moved < m and moved not in members:
+                    moves.append(tuple(sorted(members[:idx] + [moved] + members[idx + 1:])))
+        if score(current)[0] == 1:  # adding only helps while nothing fits
+            moves += [tuple(sorted(members + [k])) for k in range(m) if k not in members]
+        for move in moves:
+            if len(cache) >= max_evaluations:
+                break
+            if score(move) < score(current):
+                current = move
+                consider(move)
+                improved = True
+                break
     if best is not None:
-        return best[1], best[2]
-    floor = minimum_peak(model, candidates, keep_x_gradients)
+        ops = sorted({i for k in best for i in cuts[k]})
+        return ops, evaluate(best)[1]
+    floor = min([peak for _, peak in cache.values()] + [minimum_peak(model, candidates, keep_x_gradients)])
     raise BudgetError(
-        f"no checkpoint plan fits the budget of {budget / 2**20:.1f} MiB; the smallest feasible "
-        f"budget found is {floor / 2**20:.1f} MiB ({floor} bytes), of which "
-        f"{resident / 2**20:.1f} MiB are parameters and inputs. Raise the budget, or reduce "
-        "the batch size."
+        f"no checkpoint plan fits the budget of {format_bytes(budget)}; the smallest feasible "
+        f"budget found is {format_bytes(floor)} ({floor} bytes), of which "
+        f"{format_bytes(model.resident_bytes)} are parameters and inputs. Raise the budget, "
+        "or reduce the batch size."
     )
 
 
-def minimum_peak(model: GraphModel, candidates: Sequence[int], keep_x_gradients: bool = False) -> int:
+def minimum_peak(model: GraphModel, candidates: Sequence, keep_x_gradients: bool = False) -> int:
     """The smallest simulated peak over DP plans for a range of budgets."""
-    chain = _chain(model, candidates)
+    cuts = [[c] if isinstance(c, (int, np.integer)) else list(c) for c in candidates]
+    chain = _chain(model, [max(c) for c in cuts],
+                   [sum(model.tensors[t].nbytes for i in c for t in model.ops[i].outputs) for c in cuts])
     plain = simulate(model, keep_x_gradients=keep_x_gradients).peak_bytes
     best = plain
     for fraction in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7):
         picked = _surrogate_dp(chain, fraction * (plain - model.resident_bytes))
         if picked is None:
             continue
-        ops = [candidates[i] for i in picked]
+        ops = sorted({i for k in picked for i in cuts[k]})
         best = min(best, simulate(model, ops, keep_x_gradients=keep_x_gradients).peak_bytes)
     return best

@@ -1,0 +1,44 @@
+"""The budget selection against the exact optimum of the same plan space."""
+
+import numpy as np
+import pytest
+
+from memsaving.budget import select_for_budget
+from memsaving.errors import BudgetError
+from memsaving.exact import optimal_plan
+from memsaving.graph import chain_model
+from memsaving.simulate import simulate
+
+
+def _random_chains(count, n, seed):
+    rng = np.random.default_rng(seed)
+    for trial in range(count):
+        reads = ("input", "output", "both")[trial % 3]
+        yield chain_model(list(rng.integers(100, 1000, n)), list(rng.uniform(1, 10, n)), grad_reads=reads)
+
+
+def test_budget_plans_are_near_the_exact_optimum():
+    ratios = []
+    for model in _random_chains(9, 11, seed=7):
+        plain = simulate(model).peak_bytes
+        candidates = list(range(len(model.ops) - 1))
+        for fraction in (0.5, 0.65, 0.8):
+            budget = int(plain * fraction)
+            optimum = optimal_plan(model, candidates, budget)
+            if optimum is None:
+                with pytest.raises(BudgetError):
+                    select_for_budget(model, candidates, budget)
+                continue
+            ops, peak = select_for_budget(model, candidates, budget)
+            assert peak <= budget
+            step = 3 * model.forward_cost()
+            ratios.append((step + simulate(model, ops).recompute_cost) / (step + optimum[1]))
+    assert len(ratios) >= 12
+    assert min(ratios) >= 1.0 - 1e-9, "cannot beat the exact optimum"
+    assert float(np.exp(np.mean(np.log(ratios)))) <= 1.02
+
+
+def test_exact_reference_refuses_large_inputs():
+    model = chain_model([10] * 30)
+    with pytest.raises(ValueError, match="2\\^n"):
+        optimal_plan(model, list(range(29)), 100)
