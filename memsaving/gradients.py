@@ -194,12 +194,12 @@ def _plan(ys, xs, checkpoints, budget, kwargs) -> tuple:
     if isinstance(checkpoints, str) and checkpoints == "speed":
         pool = candidates.speed(model)
     elif isinstance(checkpoints, str):
-        pool = candidates.articulation(model)
+        pool = [cut for cut, _ in candidates.memory_candidates(model)]
     else:
         pool = resolve_checkpoints(checkpoints, fwd, model)
     if not pool:
         raise CheckpointError(
-            "budget= found no candidate checkpoint (no single tensor separates the graph); "
+            "budget= found no candidate checkpoint (the graph between xs and ys has no cut); "
             "pass checkpoints=[tensors] as the candidates to choose from."
         )
     chosen, _ = select_for_budget(model, pool, budget_bytes, keep_x_gradients=keep_x)

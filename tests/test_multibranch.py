@@ -100,3 +100,36 @@ def test_unet_memory_mode_lowers_measured_peak():
     peaks = _compare(unet, _variables(18, seed=500))
     print({k: v / 2 ** 20 for k, v in peaks.items()})
     assert peaks["memory"] < peaks["plain"]
+
+
+def test_four_towers_under_a_budget():
+    ws = _variables(4 * 24, seed=0)
+    captured = {}
+
+    def step(budget):
+        @tf.function
+        def run(x):
+            loss = four_towers(x, ws)
+            if budget is None:
+                captured["plain"] = memsaving.plan(loss, ws, checkpoints=[])
+                grads = tf.gradients(loss, ws)
+            else:
+                captured["plan"] = memsaving.plan(loss, ws, budget=budget)
+                grads = memsaving.gradients(loss, ws, budget=budget)
+            return tf.add_n([tf.reduce_sum(g) for g in grads])
+        return run
+
+    x = tf.random.normal([BATCH, WIDTH], seed=4)
+    plain = step(None)
+    plain(x)
+    resident = captured["plain"].resident_bytes
+    budget = resident + int(0.5 * (captured["plain"].plain_peak - resident))
+    run = step(budget)
+    run(x)
+    assert captured["plan"].predicted_peak <= budget
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    measured = memsaving.measure_peak(run, x) - before
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    measured_plain = memsaving.measure_peak(plain, x) - before
+    print(f"plain {measured_plain / 2**20:.2f} MiB, budget plan {measured / 2**20:.2f} MiB")
+    assert measured <= 0.5 * measured_plain * 1.15
