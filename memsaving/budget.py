@@ -157,8 +157,8 @@ def select_for_budget(
     ``candidates`` are op indices or sets of op indices (cuts), ordered from
     the inputs to the outputs.  Three steps, every plan judged by the
     simulator: the surrogate DP (its budget tightened until the simulated
-    peak fits), evenly spaced plans as a fallback, greedy additions while
-    nothing fits, then a local search that drops or shifts checkpoints while
+    peak fits), evenly spaced plans and Chen et al.'s greedy plans as
+    fallbacks, greedy additions while nothing fits, then a local search that drops or shifts checkpoints while
     the plan still fits and gets cheaper.  The number of simulations is
     bounded (``max_evaluations``, scaled down for large graphs).
 
@@ -171,7 +171,7 @@ def select_for_budget(
     cuts = [[c] if isinstance(c, (int, np.integer)) else list(c) for c in candidates]
     positions = [max(cut) for cut in cuts]
     if max_evaluations is None:
-        max_evaluations = max(40, 60_000 // max(len(model.ops), 1))
+        max_evaluations = max(60, 100_000 // max(len(model.ops), 1))
     cache = {}
 
     def evaluate(chosen: Tuple[int, ...]):
@@ -203,10 +203,25 @@ def select_for_budget(
         if feasible(chosen):
             break
         target -= evaluate(chosen)[1] - budget
-    # 2. evenly spaced plans of every size (cheap, and robust where the
+    # 2. Chen et al.'s greedy: keep a cut whenever the activation bytes
+    #     since the last kept one pass a threshold; a few thresholds
+    before = np.concatenate([[0.0], np.cumsum([sum(model.tensors[t].nbytes for t in op.outputs) if op.forward else 0
+                                               for op in model.ops])])
+    cut_bytes = [before[p + 1] for p in positions]
+    total_bytes = max(before[-1], 1.0)
+    for threshold in np.geomspace(total_bytes / 100, total_bytes / 2, 10):
+        if len(cache) >= max_evaluations:
+            break
+        chosen, last = [], 0.0
+        for k, at in enumerate(cut_bytes):
+            if at - last >= threshold:
+                chosen.append(k)
+                last = at
+        consider(tuple(chosen))
+    # 2b. evenly spaced plans of a dozen sizes (cheap, and robust where the
     #    surrogate misjudges)
     m = len(cuts)
-    for k in range(1, min(m, 2 * int(np.sqrt(m)) + 2) + 1):
+    for k in sorted({int(v) for v in np.geomspace(1, max(m, 1), 12)}):
         if len(cache) >= max_evaluations:
             break
         consider(tuple(sorted({int(round((j + 1) * (m + 1) / (k + 1))) - 1 for j in range(k)} & set(range(m)))))

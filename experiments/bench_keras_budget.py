@@ -1,0 +1,132 @@
+"""Budget sweep on the op graphs of real Keras training steps.
+
+For VGG16, ResNet50, MobileNetV2 (keras.applications, weights=None) and a
+small U-Net defined here, the training step's op graph is extracted and, for
+budgets from 0.4 to 0.95 of the keep-everything activation peak, three
+strategies are scored by the same simulator:
+
+* memsaving's budget selection (cuts + DP + local search),
+* Chen et al.'s sqrt(n): about sqrt(n) evenly spaced cuts (one plan, used
+  where it fits),
+* Chen et al.'s greedy: walk the cuts in order and keep one whenever the
+  bytes since the last kept cut exceed a threshold, the threshold searched
+  so that the plan fits and recomputes least.
+
+Printed per model and budget: predicted total compute relative to plain
+backprop (forward + recompute + backward), "-" where a strategy finds no
+plan within the budget.
+
+    python -m experiments.bench_keras_budget [--models vgg16,resnet50,mobilenet,unet] [--batch 8] [--size 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import memsaving  # noqa: F401  (allocator setup before TensorFlow)
+import keras
+import numpy as np
+import tensorflow as tf
+
+from memsaving import candidates as cand
+from memsaving.budget import select_for_budget
+from memsaving.errors import BudgetError
+from memsaving.extract import graph_model
+from memsaving.forward import forward_graph
+from memsaving.simulate import simulate
+
+FRACTIONS = (0.4, 0.5, 0.6, 0.7, 0.8, 0.95)
+
+
+def unet(size: int):
+    inp = keras.Input((size, size, 3))
+    skips, h = [], inp
+    for filters in (16, 32, 64):
+        h = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(h)
+        h = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(h)
+        skips.append(h)
+        h = keras.layers.MaxPooling2D()(h)
+    h = keras.layers.Conv2D(128, 3, padding="same", activation="relu")(h)
+    for filters, skip in zip((64, 32, 16), reversed(skips)):
+        h = keras.layers.UpSampling2D()(h)
+        h = keras.layers.Concatenate()([h, skip])
+        h = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(h)
+        h = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(h)
+    return keras.Model(inp, keras.layers.Conv2D(1, 1)(h))
+
+
+BUILDERS = {
+    "vgg16": lambda s: keras.applications.VGG16(weights=None, input_shape=(s, s, 3), classes=10),
+    "resnet50": lambda s: keras.applications.ResNet50(weights=None, input_shape=(s, s, 3), classes=10),
+    "mobilenet": lambda s: keras.applications.MobileNetV2(weights=None, input_shape=(s, s, 3), classes=10),
+    "unet": unet,
+}
+
+
+def step_model(model, batch: int, size: int):
+    captured = {}
+
+    @tf.function
+    def trace(x):
+        loss = tf.reduce_mean(model(x, training=True) ** 2)
+        xs = [tf.convert_to_tensor(v.handle) for v in model.trainable_variables]
+        captured["model"] = graph_model(forward_graph(xs, [loss]), batch_size=batch)
+        return loss
+
+    trace.get_concrete_function(tf.TensorSpec([batch, size, size, 3]))
+    return captured["model"]
+
+
+def greedy(model, cuts, budget):
+    """Chen's greedy: keep a cut when the bytes since the last kept one pass a threshold."""
+    sizes = [b for _, b in cuts]
+    best = None
+    for threshold in np.geomspace(max(model.activation_bytes(), 1) / 200, max(model.activation_bytes(), 1), 30):
+        chosen, last = [], 0.0
+        for k, (_, before) in enumerate(cuts):
+            if before - last >= threshold:
+                chosen.append(k)
+                last = before
+        ops = sorted({i for k in chosen for i in cuts[k][0]})
+        sim = simulate(model, ops)
+        if sim.peak_bytes <= budget and (best is None or sim.recompute_cost < best.recompute_cost):
+            best = sim
+    del sizes
+    return best
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="vgg16,resnet50,mobilenet,unet")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--size", type=int, default=64)
+    args = parser.parse_args(argv)
+    for name in args.models.split(","):
+        keras.utils.set_random_seed(0)
+        model = step_model(BUILDERS[name](args.size), args.batch, args.size)
+        plain = simulate(model)
+        resident = model.resident_bytes
+        cuts = cand.memory_candidates(model)
+        pool = [c for c, _ in cuts]
+        sqrt_sim = simulate(model, cand.sqrtn_sets(model, cuts))
+        print(f"\n{name}: {len(model.ops)} ops, {len(cuts)} candidate cuts, plain activation peak "
+              f"{(plain.peak_bytes - resident) / 2**20:.1f} MiB (batch {args.batch}, {args.size}x{args.size})")
+        print(f"{'budget':>7} {'memsaving':>10} {'sqrt(n)':>8} {'greedy':>8} {'select s':>9}")
+        for fraction in FRACTIONS:
+            budget = resident + int(fraction * (plain.peak_bytes - resident))
+            start = time.perf_counter()
+            try:
+                ops, _ = select_for_budget(model, pool, budget)
+                ours = f"{simulate(model, ops).compute_ratio:.3f}"
+            except BudgetError:
+                ours = "-"
+            seconds = time.perf_counter() - start
+            chen = f"{sqrt_sim.compute_ratio:.3f}" if sqrt_sim.peak_bytes <= budget else "-"
+            g = greedy(model, cuts, budget)
+            gre = f"{g.compute_ratio:.3f}" if g is not None else "-"
+            print(f"{fraction:>7.2f} {ours:>10} {chen:>8} {gre:>8} {seconds:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
