@@ -169,23 +169,30 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> List[Actio
 
 
 def _replay(actions: List[Action], pinned: Set[Key]) -> Tuple[List[int], int]:
+    """Bytes in use after each action and the peak during any action.
+
+    A buffer is freed after the last action that reads it (right after it is
+    written when nothing reads it); ``pinned`` buffers are never freed.
+    """
     last_read: Dict[Key, int] = {}
     for i, action in enumerate(actions):
         for key in action.reads:
             last_read[key] = i
+    dies_at: Dict[int, List[Key]] = {}
+    for i, action in enumerate(actions):
+        for key, _ in action.writes:
+            if key not in pinned:
+                dies_at.setdefault(max(last_read.get(key, i), i), []).append(key)
     live: Dict[Key, int] = {}
     in_use = 0
     peak = 0
     timeline = []
     for i, action in enumerate(actions):
         for key, nbytes in action.writes:
-            if key in live:
-                in_use -= live[key]
+            in_use += nbytes - live.get(key, 0)
             live[key] = nbytes
-            in_use += nbytes
         peak = max(peak, in_use)
-        done = [k for k in live if k not in pinned and last_read.get(k, -1) <= i]
-        for key in done:
-            in_use -= live.pop(key)
+        for key in dies_at.get(i, ()):
+            in_use -= live.pop(key, 0)
         timeline.append(in_use)
     return timeline, peak
