@@ -94,15 +94,19 @@ def gradients(
           (or added to the graph collection ``"checkpoints"``);
         * ``"speed"``: outputs of MatMul, BatchMatMul, Conv and Einsum ops, so
           only cheap ops are recomputed;
-        * ``"memory"``: about sqrt(n) tensors that each separate the graph,
-          spaced evenly by bytes.
+        * ``"memory"``: about sqrt(n) cuts (sets of tensors every
+          input-to-output path crosses: single separating tensors, tree
+          decomposition separators, frontiers between depth levels), spaced
+          evenly by activation bytes.
       budget: a memory budget (bytes, or a string such as ``"2GiB"``): the
         checkpoints that minimise recomputation while the predicted peak
-        fits are chosen among the separating tensors (among ``checkpoints``
-        when a list is given, among MatMul/Conv outputs with ``"speed"``).
+        fits are chosen among the cuts (among ``checkpoints`` when a list is
+        given, among MatMul/Conv outputs with ``"speed"``).
       **kwargs: ``name``, ``gate_gradients``, ``aggregation_method``,
         ``stop_gradients``, ``unconnected_gradients`` and
-        ``colocate_gradients_with_ops``, with tf.gradients' meaning.
+        ``colocate_gradients_with_ops``, with tf.gradients' meaning; and
+        ``batch_size``, the size given to unknown dimensions when predicting
+        memory for ``budget`` (default 1).
 
     Stateful ops (variable reads, random ops, calls with side effects) and
     control-flow ops are never recomputed; their outputs are kept.
