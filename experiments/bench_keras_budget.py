@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from memsaving import candidates as cand
-from memsaving.budget import select_for_budget
+from memsaving.budget import greedy_plans, select_for_budget
 from memsaving.errors import BudgetError
 from memsaving.extract import graph_model
 from memsaving.forward import forward_graph
@@ -79,20 +79,13 @@ def step_model(model, batch: int, size: int):
 
 
 def greedy(model, cuts, budget):
-    """Chen's greedy: keep a cut when the bytes since the last kept one pass a threshold."""
-    sizes = [b for _, b in cuts]
+    """Chen's greedy (memsaving.budget.greedy_plans): the cheapest plan that fits."""
     best = None
-    for threshold in np.geomspace(max(model.activation_bytes(), 1) / 200, max(model.activation_bytes(), 1), 30):
-        chosen, last = [], 0.0
-        for k, (_, before) in enumerate(cuts):
-            if before - last >= threshold:
-                chosen.append(k)
-                last = before
+    for chosen in greedy_plans([b for _, b in cuts], model.activation_bytes()):
         ops = sorted({i for k in chosen for i in cuts[k][0]})
         sim = simulate(model, ops)
         if sim.peak_bytes <= budget and (best is None or sim.recompute_cost < best.recompute_cost):
             best = sim
-    del sizes
     return best
 
 
@@ -117,7 +110,7 @@ def main(argv=None) -> None:
             budget = resident + int(fraction * (plain.peak_bytes - resident))
             start = time.perf_counter()
             try:
-                ops, _ = select_for_budget(model, pool, budget)
+                ops, _ = select_for_budget(model, pool, budget, cut_bytes=[b for _, b in cuts])
                 ours = f"{simulate(model, ops).compute_ratio:.3f}"
             except BudgetError:
                 ours = "-"

@@ -151,6 +151,7 @@ def select_for_budget(
     keep_x_gradients: bool = False,
     rounds: int = 8,
     max_evaluations: Optional[int] = None,
+    cut_bytes: Optional[Sequence[float]] = None,
 ) -> Tuple[List[int], int]:
     """Checkpoint ops minimising recomputation with simulated peak <= ``budget``.
 
@@ -161,6 +162,10 @@ def select_for_budget(
     fallbacks, greedy additions while nothing fits, then a local search that drops or shifts checkpoints while
     the plan still fits and gets cheaper.  The number of simulations is
     bounded (``max_evaluations``, scaled down for large graphs).
+
+    ``cut_bytes`` (optional) gives the activation bytes computed before each
+    candidate, for the greedy plans; by default the bytes before the
+    candidate's last op in the model's order.
 
     Returns ``(checkpoint_ops, simulated_peak)``.
 
@@ -203,21 +208,15 @@ def select_for_budget(
         if feasible(chosen):
             break
         target -= evaluate(chosen)[1] - budget
-    # 2. Chen et al.'s greedy: keep a cut whenever the activation bytes
-    #     since the last kept one pass a threshold; a few thresholds
-    before = np.concatenate([[0.0], np.cumsum([sum(model.tensors[t].nbytes for t in op.outputs) if op.forward else 0
-                                               for op in model.ops])])
-    cut_bytes = [before[p + 1] for p in positions]
-    total_bytes = max(before[-1], 1.0)
-    for threshold in np.geomspace(total_bytes / 100, total_bytes / 2, 10):
+    # 2. Chen et al.'s greedy plans
+    if cut_bytes is None:
+        before = np.concatenate([[0.0], np.cumsum([
+            sum(model.tensors[t].nbytes for t in op.outputs) if op.forward else 0 for op in model.ops])])
+        cut_bytes = [before[p + 1] for p in positions]
+    for chosen in greedy_plans(cut_bytes, model.activation_bytes()):
         if len(cache) >= max_evaluations:
             break
-        chosen, last = [], 0.0
-        for k, at in enumerate(cut_bytes):
-            if at - last >= threshold:
-                chosen.append(k)
-                last = at
-        consider(tuple(chosen))
+        consider(chosen)
     # 2b. evenly spaced plans of a dozen sizes (cheap, and robust where the
     #    surrogate misjudges)
     m = len(cuts)
@@ -263,6 +262,26 @@ def select_for_budget(
         f"{format_bytes(model.resident_bytes)} are parameters and inputs. Raise the budget, "
         "or reduce the batch size."
     )
+
+
+def greedy_plans(cut_bytes: Sequence[float], total_bytes: float, thresholds: int = 30) -> List[Tuple[int, ...]]:
+    """Chen et al.'s greedy plans, one per threshold.
+
+    Walking the candidates from the inputs, a candidate is kept whenever the
+    activation bytes since the last kept one reach the threshold; thresholds
+    are spread geometrically from ``total/200`` to ``total``.  Returns the
+    candidate indices of each plan.
+    """
+    total = max(float(total_bytes), 1.0)
+    plans = []
+    for threshold in np.geomspace(total / 200, total, thresholds):
+        chosen, last = [], 0.0
+        for k, at in enumerate(cut_bytes):
+            if at - last >= threshold:
+                chosen.append(k)
+                last = at
+        plans.append(tuple(chosen))
+    return list(dict.fromkeys(plans))
 
 
 def minimum_peak(model: GraphModel, candidates: Sequence, keep_x_gradients: bool = False) -> int:

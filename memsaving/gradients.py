@@ -195,10 +195,12 @@ def _plan(ys, xs, checkpoints, budget, kwargs) -> tuple:
         mode = checkpoints if isinstance(checkpoints, str) else "list"
         return fwd, make_plan(model, chosen, mode, keep_x_gradients=keep_x)
     budget_bytes = parse_bytes(budget)
+    cut_bytes = None
     if isinstance(checkpoints, str) and checkpoints == "speed":
         pool = candidates.speed(model)
     elif isinstance(checkpoints, str):
-        pool = [cut for cut, _ in candidates.memory_candidates(model)]
+        ranked = candidates.memory_candidates(model)
+        pool, cut_bytes = [cut for cut, _ in ranked], [b for _, b in ranked]
     else:
         pool = resolve_checkpoints(checkpoints, fwd, model)
     if not pool:
@@ -206,7 +208,7 @@ def _plan(ys, xs, checkpoints, budget, kwargs) -> tuple:
             "budget= found no candidate checkpoint (the graph between xs and ys has no cut); "
             "pass checkpoints=[tensors] as the candidates to choose from."
         )
-    chosen, _ = select_for_budget(model, pool, budget_bytes, keep_x_gradients=keep_x)
+    chosen, _ = select_for_budget(model, pool, budget_bytes, keep_x_gradients=keep_x, cut_bytes=cut_bytes)
     return fwd, make_plan(model, chosen, "budget", budget=budget_bytes, keep_x_gradients=keep_x)
 
 
