@@ -13,6 +13,7 @@ names the file and line) or bad options.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -95,8 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         note = f", lower bound {res.lower_bound}, first run width {res.first_width}"
     if args.validate:
         validate(G, td)
-    write_td(td, sys.stdout, n_vertices=G.number_of_nodes())
-    sys.stdout.flush()
+    try:
+        write_td(td, sys.stdout, n_vertices=G.number_of_nodes())
+        sys.stdout.flush()
+    except BrokenPipeError:  # e.g. piped into `head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     if args.verbose:
         print(
             f"treedecomp: {G.number_of_nodes()} vertices, {G.number_of_edges()} edges: width {td.width}, "

@@ -19,12 +19,21 @@ practical on graphs of a few dozen vertices:
   safe vertex is the only branch taken.
 * Any clique can be eliminated last in some optimal ordering, so a large
   clique found greedily is never branched on.
+* When testing ``k``, two non-adjacent vertices with more than ``k``
+  common neighbours may be joined by an edge first (this cannot change
+  whether the treewidth is at most ``k``), which shrinks the search; and
+  if the minor-min-width of that denser graph exceeds ``k`` the answer is
+  no without any search.
 * Connected components are solved separately, the heuristic width serves
   as an upper bound, and minor-min-width plus clique size as lower bounds;
   when they meet no search happens at all.
 
-The running time is exponential in the worst case; ``max_vertices`` and
-``timeout`` keep calls from running away.
+The running time is exponential in the number of vertices in the worst
+case.  In practice (two cores, CPython 3.11): graphs of up to 60 vertices and
+width up to about 8 take milliseconds when the bounds meet, random graphs of
+25-30 vertices and width 10-13 take seconds to a minute, and grid-like graphs
+of 49-60 vertices where the lower bound is weak do not finish in a minute.
+``max_vertices`` and ``timeout`` keep calls from running away.
 """
 
 from __future__ import annotations
@@ -126,6 +135,75 @@ class _Timeout(Exception):
     pass
 
 
+def _improved_graph(am: list[int], k: int) -> list[int]:
+    """Add edges between non-adjacent vertices with more than ``k`` common neighbours.
+
+    If the treewidth is at most ``k`` such an edge can be added without
+    raising it (the pair would be joined in every minimal triangulation of
+    width ``k``; Bodlaender and Koster, "Treewidth lower bounds"), so the
+    question "treewidth <= k?" has the same answer on the denser graph,
+    whose search space is smaller.  Repeated until nothing changes.
+    """
+    am = list(am)
+    c = len(am)
+    changed = True
+    while changed:
+        changed = False
+        for v in range(c):
+            for w in range(v + 1, c):
+                if not (am[v] >> w) & 1 and (am[v] & am[w]).bit_count() > k:
+                    am[v] |= 1 << w
+                    am[w] |= 1 << v
+                    changed = True
+    return am
+
+
+def _mmw_exceeds(nh: list[int], alive: int, k: int) -> bool:
+    """True if the minor-min-width of the graph (bitmask adjacency ``nh`` on ``alive``) exceeds ``k``."""
+    nh = list(nh)
+    r = alive.bit_count()
+    while r > k + 1:
+        # vertex of minimum degree
+        best_v, best_d = -1, 1 << 30
+        x = alive
+        while x:
+            b = x & -x
+            v = b.bit_length() - 1
+            x ^= b
+            d = nh[v].bit_count()
+            if d < best_d:
+                best_v, best_d = v, d
+        if best_d > k:
+            return True
+        v = best_v
+        bv = 1 << v
+        N = nh[v]
+        alive &= ~bv
+        r -= 1
+        if not N:
+            continue
+        # contract v into the neighbour with the fewest common neighbours
+        best_u, best_c = -1, 1 << 30
+        y = N
+        while y:
+            b = y & -y
+            u = b.bit_length() - 1
+            y ^= b
+            cu = (nh[u] & N).bit_count()
+            if cu < best_c:
+                best_u, best_c = u, cu
+        u = best_u
+        bu = 1 << u
+        y = N & ~bu
+        while y:
+            b = y & -y
+            w = b.bit_length() - 1
+            y ^= b
+            nh[w] = (nh[w] & ~bv) | bu
+        nh[u] = (nh[u] | N) & ~bv & ~bu
+    return False
+
+
 def _decide(am: list[int], k: int, last: int, deadline: float | None) -> list[int] | None:
     """An elimination ordering of width <= ``k`` of the graph ``am`` (bitmask adjacency), or None.
 
@@ -133,6 +211,9 @@ def _decide(am: list[int], k: int, last: int, deadline: float | None) -> list[in
     """
     c = len(am)
     full = (1 << c) - 1
+    am = _improved_graph(am, k)
+    if _mmw_exceeds(am, full, k):
+        return None
     failed: set[int] = set()
     path: list[int] = []
     counter = [0]

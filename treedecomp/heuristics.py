@@ -32,6 +32,7 @@ from ._elimination import (
     eliminate_in_order,
     eliminate_min_degree,
     eliminate_min_fill,
+    gc_paused,
     index_graph,
 )
 from .decomposition import TreeDecomposition
@@ -63,9 +64,11 @@ def _ranks(n: int, seed) -> list[int] | None:
 
 
 def _run(G: nx.Graph, heuristic: str, seed) -> TreeDecomposition:
-    nodes, adj = index_graph(G)
-    order, higher, tail, _ = _engine(heuristic)(adj, _ranks(len(nodes), seed))
-    return build_decomposition(nodes, order, higher, tail)
+    engine = _engine(heuristic)
+    with gc_paused():
+        nodes, adj = index_graph(G)
+        order, higher, tail, _ = engine(adj, _ranks(len(nodes), seed))
+        return build_decomposition(nodes, order, higher, tail)
 
 
 def min_fill(G: nx.Graph, *, seed: int | None = None) -> TreeDecomposition:
@@ -103,7 +106,10 @@ def min_degree(G: nx.Graph, *, seed: int | None = None) -> TreeDecomposition:
     """Tree decomposition from the greedy minimum-degree elimination ordering.
 
     Same parameters and guarantees as :func:`min_fill`.  Faster per step but
-    usually gives a wider decomposition than min-fill.
+    usually gives a wider decomposition than min-fill.  Ties in degree are
+    broken first-in, first-out (a vertex whose degree just changed waits
+    behind the others), as in networkx; ``seed`` randomises the initial
+    order.
     """
     return _run(G, "min-degree", seed)
 
@@ -114,8 +120,10 @@ def elimination_ordering(G: nx.Graph, heuristic: str = "min-fill", *, seed: int 
     ``decomposition_from_ordering(G, elimination_ordering(G))`` has the same
     width as ``min_fill(G)``.
     """
-    nodes, adj = index_graph(G)
-    order, _, tail, _ = _engine(heuristic)(adj, _ranks(len(nodes), seed))
+    engine = _engine(heuristic)
+    with gc_paused():
+        nodes, adj = index_graph(G)
+        order, _, tail, _ = engine(adj, _ranks(len(nodes), seed))
     return [nodes[v] for v in order] + [nodes[v] for v in tail]
 
 
@@ -133,5 +141,6 @@ def decomposition_from_ordering(G: nx.Graph, ordering: Iterable[Hashable]) -> Tr
         raise ValueError(f"ordering contains {exc.args[0]!r}, which is not a vertex of G") from None
     if len(order) != len(nodes) or len(set(order)) != len(nodes):
         raise ValueError("ordering must contain every vertex of G exactly once")
-    order, higher, tail, _ = eliminate_in_order(adj, order)
-    return build_decomposition(nodes, order, higher, tail)
+    with gc_paused():
+        order, higher, tail, _ = eliminate_in_order(adj, order)
+        return build_decomposition(nodes, order, higher, tail)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import networkx as nx
 
-from ._elimination import build_decomposition, eliminate_min_degree, eliminate_min_fill, index_graph
+from ._elimination import build_decomposition, eliminate_min_degree, eliminate_min_fill, gc_paused, index_graph
 from .bounds import _mmw
 from .decomposition import TreeDecomposition
 from .heuristics import _engine
@@ -52,6 +52,11 @@ def improve_with_stats(
     should_stop: Callable[[], bool] | None = None,
 ) -> ImproveResult:
     """Like :func:`improve`, but also report run count and bounds."""
+    with gc_paused():
+        return _improve(G, timeout, heuristic, seed, max_runs, should_stop)
+
+
+def _improve(G, timeout, heuristic, seed, max_runs, should_stop) -> ImproveResult:
     deadline = time.perf_counter() + timeout
     rng = random.Random(seed)
     nodes, adj = index_graph(G)
