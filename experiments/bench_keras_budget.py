@@ -26,7 +26,6 @@ import time
 
 import memsaving  # noqa: F401  (allocator setup before TensorFlow)
 import keras
-import numpy as np
 import tensorflow as tf
 
 from memsaving import candidates as cand

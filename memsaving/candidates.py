@@ -1,8 +1,9 @@
 """Checkpoint candidates on the neutral graph model (no TensorFlow).
 
-``articulation`` finds the single ops every input-to-output path crosses;
-``speed`` the expensive ops; :func:`sqrtn` picks about sqrt(n) of a candidate
-list.  All return op indices of the :class:`~memsaving.graph.GraphModel`.
+``articulation`` finds the single ops every input-to-output path crosses,
+``separator_chain`` and ``level_cuts`` sets of ops that cut every such path,
+``speed`` the expensive ops; :func:`sqrtn_sets` picks about sqrt(n) cuts.
+All work on op indices of the :class:`~memsaving.graph.GraphModel`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import List, Optional, Sequence, Tuple
 import networkx as nx
 
 from memsaving.graph import GraphModel
-from memsaving.selection import bottlenecks, select_sqrtn
+from memsaving.selection import bottlenecks
 
 PARAMETER_READ_TYPES = frozenset({"ReadVariableOp"})
 """Ops that only read parameters: their outputs live for the whole step
@@ -66,12 +67,6 @@ def speed(model: GraphModel) -> List[int]:
         i for i, op in enumerate(model.ops)
         if op.forward and op.type in SPEED_OP_TYPES and op.copyable and _has_trainable_output(model, i)
     ]
-
-
-def sqrtn(model: GraphModel, candidates: Sequence[int], count: Optional[int] = None) -> List[int]:
-    """About sqrt(len(candidates)) candidates, spaced evenly by activation bytes."""
-    graph, order = activation_digraph(model)
-    return select_sqrtn(graph, order, [c for c in candidates if c in graph], count)
 
 
 def separator_chain(model: GraphModel, max_vertices: int = 200_000) -> List[Tuple[List[int], int]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import heapq
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import tensorflow as tf
 from tensorflow.python.eager import backprop_util
@@ -99,12 +99,6 @@ class ForwardGraph:
     def contains_tensor(self, tensor: tf.Tensor) -> bool:
         """True when ``tensor`` is one of ``xs`` or an output of a forward op."""
         return self.is_x(tensor) or tensor.op in self.position
-
-    def tensors(self) -> Iterable[tf.Tensor]:
-        """Every forward tensor (xs first, then op outputs in order)."""
-        yield from self.xs
-        for op in self.ops:
-            yield from op.outputs
 
 
 def forward_graph(

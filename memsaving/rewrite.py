@@ -24,7 +24,6 @@ segment; the total work stays linear in the graph size.
 
 from __future__ import annotations
 
-import collections
 from typing import Callable, Optional, Sequence
 
 import tensorflow as tf

@@ -8,7 +8,6 @@ here only look at that structure, so they are tested on hand-made graphs.
 
 from __future__ import annotations
 
-import math
 from typing import Hashable, Sequence
 
 import networkx as nx
@@ -49,54 +48,3 @@ def bottlenecks(graph: nx.DiGraph, order: Sequence[Hashable]) -> list:
                 raise ValueError(f"order is not topological: {node!r} -> {succ!r}")
             furthest = max(furthest, position[succ])
     return found
-
-
-def select_sqrtn(
-    graph: nx.DiGraph,
-    order: Sequence[Hashable],
-    candidates: Sequence[Hashable],
-    count: int | None = None,
-) -> list:
-    """Pick about sqrt(n) of ``candidates``, evenly spaced by memory.
-
-    With ``k`` checkpoints splitting the activations into ``k + 1`` segments
-    of equal bytes, the backward pass holds the ``k`` checkpoints plus one
-    recomputed segment: ``O(k + n/k)`` memory, smallest at ``k = sqrt(n)``.
-    Spacing by bytes instead of by count keeps segments balanced when layers
-    differ in size (wide early convolutions, narrow late ones).
-
-    Args:
-      graph: a DAG whose nodes may have a ``"bytes"`` attribute (default 1).
-      order: the nodes in topological order.
-      candidates: the nodes allowed as checkpoints, in ``order``.
-      count: how many to pick; default ``round(sqrt(len(candidates)))``.
-
-    Returns:
-      The chosen candidates in topological order (no duplicates).
-    """
-    if not candidates:
-        return []
-    if count is None:
-        count = max(1, int(round(math.sqrt(len(candidates)))))
-    count = min(count, len(candidates))
-    cumulative = {}
-    total = 0
-    for node in order:
-        total += graph.nodes[node].get("bytes", 1)
-        cumulative[node] = total
-    chosen = []
-    start = 0
-    for j in range(1, count + 1):
-        target = total * j / (count + 1)
-        best = None
-        for idx in range(start, len(candidates)):
-            cand = candidates[idx]
-            if best is None or abs(cumulative[cand] - target) < abs(cumulative[candidates[best]] - target):
-                best = idx
-            if cumulative[cand] > target:
-                break
-        chosen.append(candidates[best])
-        start = best + 1
-        if start >= len(candidates):
-            break
-    return chosen

@@ -151,7 +151,6 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> List[Actio
     for unit in units:
         local: Dict[int, Key] = {}
         if unit.kind == "segment":
-            members = set(unit.ops)
             for i in unit.ops:
                 op = model.ops[i]
                 reads = [local.get(t, ("f", t)) for t in op.inputs if tensors[t].producer >= 0]
@@ -162,7 +161,6 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> List[Actio
                     local[t] = ("c", unit.anchor, t)
                     writes.append((local[t], tensors[t].nbytes))
                 actions.append(Action(f"recompute {op.name}", reads, writes, op.cost))
-            del members
         for i in reversed(unit.ops):
             differentiate(i, local, "backward")
     return actions

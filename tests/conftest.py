@@ -10,9 +10,6 @@ import os
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import pytest  # noqa: E402
-
-
 def _configure_tensorflow():
     try:
         import tensorflow as tf

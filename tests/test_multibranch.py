@@ -5,7 +5,6 @@ tree-decomposition cuts must still find checkpoints that lower the measured
 peak, with gradients equal to tf.gradients.
 """
 
-import numpy as np
 import tensorflow as tf
 
 import memsaving

@@ -1,0 +1,51 @@
+"""Cut candidates on hand-made graph models (no TensorFlow graph)."""
+
+import networkx as nx
+import pytest
+
+from memsaving import candidates
+from memsaving.graph import GraphModel, OpInfo, TensorInfo, chain_model
+from memsaving.selection import bottlenecks
+
+
+def towers(k: int, depth: int) -> GraphModel:
+    """k chains fed by one input tensor, summed at the end."""
+    tensors = {0: TensorInfo("x", 8)}
+    ops = []
+    ends = []
+    for t in range(k):
+        prev = 0
+        for d in range(depth):
+            out = len(tensors)
+            tensors[out] = TensorInfo(f"t{t}_{d}", 8, len(ops))
+            ops.append(OpInfo(f"op{t}_{d}", "Op", (prev,), (out,), grad_reads=(prev,)))
+            prev = out
+        ends.append(prev)
+    out = len(tensors)
+    tensors[out] = TensorInfo("sum", 8, len(ops))
+    ops.append(OpInfo("sum", "AddN", tuple(ends), (out,)))
+    return GraphModel(ops, tensors, xs=[0], ys=[out])
+
+
+def test_bottlenecks_on_a_diamond_and_a_chain():
+    g = nx.DiGraph([("a", "b"), ("b", "c"), ("b", "d"), ("c", "e"), ("d", "e"), ("e", "f")])
+    assert bottlenecks(g, ["a", "b", "c", "d", "e", "f"]) == ["b", "e"]
+    with pytest.raises(ValueError, match="topological"):
+        bottlenecks(g, ["b", "a", "c", "d", "e", "f"])
+
+
+def test_chain_articulation_is_every_inner_op():
+    model = chain_model([8] * 6)
+    assert candidates.articulation(model) == [1, 2, 3, 4]
+
+
+def test_towers_have_level_cuts_with_one_op_per_tower():
+    model = towers(3, 5)
+    assert candidates.articulation(model) == []
+    cuts = candidates.level_cuts(model)
+    assert len(cuts) == 5
+    for cut, before in cuts[:-1]:
+        assert len(cut) == 3
+    assert [b for _, b in cuts] == sorted(b for _, b in cuts)
+    chosen = candidates.sqrtn_sets(model, candidates.memory_candidates(model))
+    assert len(chosen) >= 3 and len(chosen) % 3 == 0
