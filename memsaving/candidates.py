@@ -35,15 +35,39 @@ def _has_trainable_output(model: GraphModel, i: int) -> bool:
     return any(model.tensors[t].trainable for t in model.ops[i].outputs)
 
 
+def parameter_ops(model: GraphModel) -> set:
+    """Ops computed from parameters and constants alone (no data input).
+
+    Variable reads, and the reshapes, casts and squeezes of weights that
+    layers apply (Keras reshapes BatchNorm's gamma and beta, squeezes
+    kernels): they are kept for the whole step anyway and are cheap, so they
+    are not activations.  Left in the activation graph they would look like
+    inputs appearing late in the network and hide every separator before
+    them.
+    """
+    found = set()
+    for i, op in enumerate(model.ops):
+        if op.type in PARAMETER_READ_TYPES:
+            found.add(i)
+            continue
+        sources = [model.tensors[t] for t in op.inputs]
+        if sources and all(
+            (info.producer < 0 and info.constant) or info.producer in found for info in sources
+        ):
+            found.add(i)
+    return found
+
+
 def activation_digraph(model: GraphModel) -> Tuple[nx.DiGraph, List[int]]:
-    """The forward ops as a DAG over op indices, without parameter reads.
+    """The forward ops as a DAG over op indices, without parameter ops.
 
     Each node has a ``"bytes"`` attribute (the bytes its outputs occupy).
     Edges follow every data input (an integer shape tensor read far
     downstream also forces recomputation to reach back).
     """
     graph = nx.DiGraph()
-    order = [i for i, op in enumerate(model.ops) if op.forward and op.type not in PARAMETER_READ_TYPES]
+    params = parameter_ops(model)
+    order = [i for i, op in enumerate(model.ops) if op.forward and i not in params]
     members = set(order)
     for i in order:
         graph.add_node(i, bytes=sum(model.tensors[t].nbytes for t in model.ops[i].outputs))
@@ -175,6 +199,25 @@ def level_cuts(model: GraphModel, max_size: int = 64) -> List[Tuple[List[int], i
     return cuts
 
 
+def _bytes_through(graph: nx.DiGraph, order: Sequence[int]) -> dict:
+    """Activation bytes computed up to and including each op, in depth order.
+
+    Ops are ordered by depth (longest path from a source), then by ``order``;
+    the running sum of bytes gives every cut, whatever its kind, a comparable
+    position between the inputs and the outputs.
+    """
+    depth = {}
+    for n in order:
+        depth[n] = max((depth[p] + 1 for p in graph.predecessors(n)), default=0)
+    rank = {n: k for k, n in enumerate(order)}
+    running = 0
+    through = {}
+    for n in sorted(order, key=lambda n: (depth[n], rank[n])):
+        running += graph.nodes[n]["bytes"]
+        through[n] = running
+    return through
+
+
 def memory_candidates(model: GraphModel) -> List[Tuple[List[int], int]]:
     """Candidate checkpoint sets for ``"memory"`` mode and budgets.
 
@@ -184,15 +227,14 @@ def memory_candidates(model: GraphModel) -> List[Tuple[List[int], int]]:
     have few or no single separators, get small cuts.
     """
     graph, order = activation_digraph(model)
-    before = {}
-    running = 0
-    for n in order:
-        before[n] = running
-        running += graph.nodes[n]["bytes"]
-    merged = {(i,): before[i] for i in articulation(model)}
-    for cut, input_bytes in separator_chain(model) + level_cuts(model):
+    through = _bytes_through(graph, order)
+    merged = {}
+    found = [[i] for i in articulation(model)]
+    found += [cut for cut, _ in separator_chain(model)] + [cut for cut, _ in level_cuts(model)]
+    for cut in found:
         if all(model.ops[i].copyable for i in cut):
-            merged.setdefault(tuple(cut), input_bytes)
+            # one measure for every kind of cut, so they interleave correctly
+            merged.setdefault(tuple(cut), max(through[i] for i in cut))
     ranked = sorted(merged.items(), key=lambda item: (item[1], len(item[0])))
     return [(list(cut), input_bytes) for cut, input_bytes in ranked]
 

@@ -12,6 +12,7 @@ from memsaving.errors import CheckpointError
 from memsaving.forward import ForwardGraph
 from memsaving.graph import GraphModel
 from memsaving.marking import CHECKPOINTS_COLLECTION
+from memsaving.simulate import simulate
 
 MODES = ("collection", "speed", "memory")
 
@@ -91,4 +92,28 @@ def _memory(model: GraphModel) -> List[int]:
         # all; there is nothing to recompute, so plain backprop is the plan.
         logger.info("checkpoints='memory': no cut between xs and ys; nothing to recompute")
         return []
-    return candidates.sqrtn_sets(model, cuts)
+    return _lowest_peak(model, cuts)
+
+
+def _lowest_peak(model: GraphModel, cuts) -> List[int]:
+    """Of a few sqrt(n)-style plans, the one the simulator predicts lowest.
+
+    sqrt(n) is only a rule of thumb: when the candidates are many
+    overlapping cuts (level frontiers of a ResNet) it keeps too much, when
+    they are single separators it is about right.  Both pools and a few
+    counts around sqrt(n) are scored; ties go to less recomputation.
+    """
+    singles = [(cut, b) for cut, b in cuts if len(cut) == 1]
+    pools = [cuts] + ([singles] if singles and len(singles) < len(cuts) else [])
+    options = []
+    for pool in pools:
+        root = max(1, int(round(len(pool) ** 0.5)))
+        for count in sorted({max(1, root // 2), root, min(len(pool), 2 * root)}):
+            options.append(candidates.sqrtn_sets(model, pool, count))
+    best, best_key = None, None
+    for ops in options:
+        sim = simulate(model, ops)
+        key = (sim.peak_bytes, sim.recompute_cost)
+        if best_key is None or key < best_key:
+            best, best_key = ops, key
+    return best

@@ -128,7 +128,8 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
                 nbytes = 0
             if producer < 0:
                 resident += _external_bytes(t, batch_size)
-            tensors[ids[key]] = TensorInfo(t.name, nbytes, producer, is_trainable(t))
+            constant = producer < 0 and (t.op.type in ("Const", "VarHandleOp") or t.dtype == tf.resource)
+            tensors[ids[key]] = TensorInfo(t.name, nbytes, producer, is_trainable(t), constant)
         return ids[key]
 
     position = {op: i for i, op in enumerate(ops)}

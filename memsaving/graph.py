@@ -23,6 +23,7 @@ class TensorInfo:
     nbytes: int
     producer: int = -1
     trainable: bool = True
+    constant: bool = False  # an external tensor that is not data: a constant or a variable handle
 
 
 @dataclass(frozen=True)

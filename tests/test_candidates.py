@@ -49,3 +49,25 @@ def test_towers_have_level_cuts_with_one_op_per_tower():
     assert [b for _, b in cuts] == sorted(b for _, b in cuts)
     chosen = candidates.sqrtn_sets(model, candidates.memory_candidates(model))
     assert len(chosen) >= 3 and len(chosen) % 3 == 0
+
+
+def test_parameter_ops_are_not_activations():
+    """A weight reshape late in the network must not hide earlier separators."""
+    tensors = {0: TensorInfo("x", 8), 1: TensorInfo("w", 0, -1, True, constant=True)}
+    ops = []
+    prev = 0
+    for d in range(4):
+        out = len(tensors)
+        tensors[out] = TensorInfo(f"h{d}", 8, len(ops))
+        ops.append(OpInfo(f"layer{d}", "Op", (prev,), (out,), grad_reads=(prev,)))
+        prev = out
+    # a late op that only reshapes the weight, then its use
+    w2 = len(tensors)
+    tensors[w2] = TensorInfo("w_reshaped", 4, len(ops))
+    ops.append(OpInfo("reshape_w", "Reshape", (1,), (w2,)))
+    out = len(tensors)
+    tensors[out] = TensorInfo("y", 8, len(ops))
+    ops.append(OpInfo("last", "Mul", (prev, w2), (out,), grad_reads=(prev, w2)))
+    model = GraphModel(ops, tensors, xs=[0, 1], ys=[out])
+    assert candidates.parameter_ops(model) == {4}
+    assert candidates.articulation(model) == [1, 2, 3]
