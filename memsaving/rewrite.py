@@ -10,8 +10,10 @@ outputs back to the inputs:
 * one **segment** per copyable kept op ``P``: ``P`` and the non-kept forward
   ops it depends on, back to the previous kept tensors, are *copied*.  The
   copies read the kept tensors through fresh proxies and carry control
-  dependencies on the ops producing the gradient of ``P``'s outputs, so they
-  run only when the backward pass reaches this segment and their memory is
+  dependencies on the ops producing the gradient of ``P``'s outputs and the
+  gradients made by the unit built just before, so they run only when the
+  backward pass reaches this segment (and after the previous segment's weight
+  gradients, which the executor would otherwise defer), and their memory is
   freed right after.  ``tf.gradients`` is then called on the copies alone.
 * one **pass-through unit** per non-copyable kept op (stateful ops, control
   flow): the original op is differentiated directly.
