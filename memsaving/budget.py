@@ -152,6 +152,7 @@ def select_for_budget(
     rounds: int = 8,
     max_evaluations: Optional[int] = None,
     cut_bytes: Optional[Sequence[float]] = None,
+    max_candidates: int = 500,
 ) -> Tuple[List[int], int]:
     """Checkpoint ops minimising recomputation with simulated peak <= ``budget``.
 
@@ -165,7 +166,8 @@ def select_for_budget(
 
     ``cut_bytes`` (optional) gives the activation bytes computed before each
     candidate, for the greedy plans; by default the bytes before the
-    candidate's last op in the model's order.
+    candidate's last op in the model's order.  More than ``max_candidates``
+    candidates are thinned to an evenly spread subset first.
 
     Returns ``(checkpoint_ops, simulated_peak)``.
 
@@ -174,6 +176,13 @@ def select_for_budget(
         budget found feasible.
     """
     cuts = [[c] if isinstance(c, (int, np.integer)) else list(c) for c in candidates]
+    if len(cuts) > max_candidates:
+        # The DP is quadratic in the candidates: keep an evenly spread subset
+        # (always the last cut), so large graphs are planned in seconds.
+        keep = sorted({int(round(k * (len(cuts) - 1) / (max_candidates - 1))) for k in range(max_candidates)})
+        cuts = [cuts[k] for k in keep]
+        if cut_bytes is not None:
+            cut_bytes = [cut_bytes[k] for k in keep]
     positions = [max(cut) for cut in cuts]
     if max_evaluations is None:
         max_evaluations = max(60, 100_000 // max(len(model.ops), 1))
@@ -255,7 +264,7 @@ def select_for_budget(
     if best is not None:
         ops = sorted({i for k in best for i in cuts[k]})
         return ops, evaluate(best)[1]
-    floor = min([peak for _, peak in cache.values()] + [minimum_peak(model, candidates, keep_x_gradients)])
+    floor = min([peak for _, peak in cache.values()] + [minimum_peak(model, cuts, keep_x_gradients)])
     raise BudgetError(
         f"no checkpoint plan fits the budget of {format_bytes(budget)}; the smallest feasible "
         f"budget found is {format_bytes(floor)} ({floor} bytes), of which "
