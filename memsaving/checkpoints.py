@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from memsaving import candidates
 from memsaving.errors import CheckpointError
+from memsaving.extract import op_indices
 from memsaving.forward import ForwardGraph
 from memsaving.graph import GraphModel
 from memsaving.marking import CHECKPOINTS_COLLECTION
@@ -30,7 +31,7 @@ def resolve_checkpoints(checkpoints: Checkpoints, fwd: ForwardGraph, model: Grap
     """
     if isinstance(checkpoints, str):
         if checkpoints == "collection":
-            return _indices(model, _from_collection(fwd))
+            return op_indices(model, _from_collection(fwd))
         if checkpoints == "speed":
             return _speed(model)
         if checkpoints == "memory":
@@ -49,12 +50,7 @@ def resolve_checkpoints(checkpoints: Checkpoints, fwd: ForwardGraph, model: Grap
             "A checkpoint must depend on xs (along float tensors) and ys must depend on it; "
             "pass tensors computed inside the same tf.function between xs and ys."
         )
-    return _indices(model, tensors)
-
-
-def _indices(model: GraphModel, tensors: Sequence[tf.Tensor]) -> List[int]:
-    index = model.op_index()
-    return sorted({index[t.op.name] for t in tensors if t.op.name in index})
+    return op_indices(model, tensors)
 
 
 def _from_collection(fwd: ForwardGraph) -> list:

@@ -164,7 +164,11 @@ def gradients(
         fwd, plan_ = _plan(ys, xs, checkpoints, budget, kwargs)
         by_name = {op.name: op for op in fwd.ops}
         kept = {by_name[n] for n in plan_.kept_ops if n in by_name}
-        builder = BackwardBuilder(fwd, kept, gradients_fn, passed)
+        unit_ops = {
+            by_name[anchor] if anchor else None: [by_name[n] for n in names]
+            for anchor, names in plan_.unit_ops.items()
+        }
+        builder = BackwardBuilder(fwd, kept, unit_ops, gradients_fn, passed)
         result = builder.build(ys, grad_ys, xs, unconnected == tf.UnconnectedGradients.ZERO)
     logger.info(
         "memsaving.gradients: %d forward ops, %d checkpoints, %d segments, %d ops recomputed; "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import sys
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, TextIO
+from typing import Dict, List, Optional, Sequence, TextIO, Tuple
 
 from memsaving.graph import GraphModel
 from memsaving.schedule import backward_units, kept_set
@@ -45,6 +45,9 @@ class Plan:
       budget: the memory budget in bytes, when one was given.
       resident_bytes: memory counted as in use before the step (parameters,
         inputs); part of ``predicted_peak``.
+      unit_ops: for the output unit (key ``""``) and each recomputed segment
+        (key: its kept op), the names of the ops it differentiates, in
+        topological order: exactly what ``memsaving.gradients`` copies.
     """
 
     mode: str
@@ -56,6 +59,7 @@ class Plan:
     predicted_compute: float
     budget: Optional[int] = None
     resident_bytes: int = 0
+    unit_ops: Dict[str, Tuple[str, ...]] = field(default_factory=dict, repr=False)
     simulation: Optional[Simulation] = field(default=None, repr=False)
 
     def explain(self, file: Optional[TextIO] = None) -> str:
@@ -99,7 +103,11 @@ def make_plan(
     sim = simulate(model, kept=kept, keep_x_gradients=keep_x_gradients)
     plain = simulate(model, keep_x_gradients=keep_x_gradients)
     segments = []
+    unit_ops = {}
     for unit in backward_units(model, kept):
+        if unit.kind != "pass":
+            key = model.ops[unit.anchor].name if unit.anchor >= 0 else ""
+            unit_ops[key] = tuple(model.ops[i].name for i in unit.ops)
         anchor = model.ops[unit.anchor] if unit.anchor >= 0 else None
         kept_bytes = sum(model.tensors[t].nbytes for t in anchor.outputs) if anchor else 0
         recompute = sum(model.ops[i].cost for i in unit.ops) if unit.kind == "segment" else 0.0
@@ -120,5 +128,6 @@ def make_plan(
         predicted_compute=sim.compute_ratio,
         budget=budget,
         resident_bytes=model.resident_bytes,
+        unit_ops=unit_ops,
         simulation=sim,
     )

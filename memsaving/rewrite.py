@@ -26,7 +26,7 @@ segment; the total work stays linear in the graph size.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import default_gradient
@@ -66,11 +66,17 @@ class BackwardBuilder:
         self,
         fwd: ForwardGraph,
         kept: set,
+        unit_ops: Dict[Optional[tf.Operation], List[tf.Operation]],
         gradients_fn: GradientsFn,
         gradient_kwargs: dict,
     ):
+        """``kept`` and ``unit_ops`` come from the plan (memsaving.planning):
+        ``unit_ops[None]`` are the ops of the output unit and
+        ``unit_ops[op]`` those of the segment started by kept op ``op``, in
+        topological order, so the rewrite copies exactly what was scored."""
         self.fwd = fwd
         self.kept = kept
+        self.unit_ops = unit_ops
         self.gradients_fn = gradients_fn
         self.gradient_kwargs = gradient_kwargs
         self.grads = _Accumulator()
@@ -90,24 +96,6 @@ class BackwardBuilder:
         """Kept forward tensors through which gradient flows to earlier units."""
         return is_trainable(tensor) and self.fwd.contains_tensor(tensor) and self.is_kept(tensor)
 
-    def closure(self, seeds: Sequence[tf.Operation]) -> list:
-        """Non-kept forward ops needed to compute ``seeds``, in topological order.
-
-        The walk stops at kept tensors and at tensors outside the forward graph
-        (those are read from the originals).
-        """
-        found = set()
-        stack = list(seeds)
-        while stack:
-            op = stack.pop()
-            if op in found:
-                continue
-            found.add(op)
-            for t in op.inputs:
-                if self.fwd.contains_op(t.op) and not self.is_kept(t):
-                    stack.append(t.op)
-        return sorted(found, key=self.fwd.position.__getitem__)
-
     # -- units --------------------------------------------------------------
     def output_unit(self, ys: Sequence[tf.Tensor], grad_ys: Sequence) -> None:
         """Differentiate the ops after the last kept tensors, in place."""
@@ -122,7 +110,7 @@ class BackwardBuilder:
                 inner_grads.append(gy)
         if not inner:
             return
-        ops = self.closure([y.op for y in inner])
+        ops = self.unit_ops[None]
         boundary = self._boundary(ops)
         if not boundary:
             return
@@ -183,7 +171,7 @@ class BackwardBuilder:
 
     def _segment(self, op, outs, out_grads) -> None:
         """Recompute ``op``'s segment after its output gradients exist."""
-        ops = self.closure([op])
+        ops = self.unit_ops[op]
         wait_for = []
         for g in list(out_grads) + [g for g in self.previous_results if not _fusable_bias_gradient(g)]:
             wait_for.extend(producing_ops(g))

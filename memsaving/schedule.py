@@ -1,7 +1,7 @@
 """Which ops each backward unit recomputes, on the neutral graph model.
 
-This mirrors :mod:`memsaving.rewrite` exactly (same kept set, same closures),
-so the simulator scores what the rewrite will emit.
+The simulator scores these units and :mod:`memsaving.rewrite` emits them (it
+receives the closures through the plan), so what is predicted is what runs.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Unit:
 
 def kept_set(model: GraphModel, checkpoint_ops: Iterable[int]) -> Set[int]:
     """Checkpoint producers, non-copyable forward ops and their trainable
-    forward inputs' producers (the rule of ``memsaving.rewrite.kept_ops``)."""
+    forward inputs' producers: the ops whose outputs the rewrite keeps."""
     kept = {i for i in checkpoint_ops if model.ops[i].forward}
     for i, op in enumerate(model.ops):
         if op.forward and not op.copyable:
