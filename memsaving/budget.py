@@ -71,7 +71,17 @@ class _Chain:
     largest: np.ndarray  # largest tensor per op position (gradient buffers)
 
 
-def _chain(model: GraphModel, candidates: Sequence[int], kept_bytes: Optional[Sequence[int]] = None) -> _Chain:
+def _as_cuts(candidates: Sequence[Union[int, Sequence[int]]]) -> List[List[int]]:
+    """Candidates as lists of op indices (a single op becomes a one-op cut)."""
+    return [[c] if isinstance(c, (int, np.integer)) else list(c) for c in candidates]
+
+
+def _ops_of(cuts: Sequence[Sequence[int]], chosen: Sequence[int]) -> List[int]:
+    """The op indices of the chosen cuts."""
+    return sorted({i for k in chosen for i in cuts[k]})
+
+
+def _chain(model: GraphModel, cuts: Sequence[Sequence[int]]) -> _Chain:
     n = len(model.ops)
     cost = np.zeros(n + 1)
     reads = np.zeros(n + 1)
@@ -81,10 +91,9 @@ def _chain(model: GraphModel, candidates: Sequence[int], kept_bytes: Optional[Se
         cost[i + 1] = cost[i] + (op.cost if fwd else 0.0)
         reads[i + 1] = reads[i] + (sum(model.tensors[t].nbytes for t in op.grad_reads) if fwd else 0)
         largest[i] = max([model.tensors[t].nbytes for t in op.outputs] + [0]) if fwd else 0
-    if kept_bytes is None:
-        kept_bytes = [sum(model.tensors[t].nbytes for t in model.ops[c].outputs) for c in candidates]
-    kept = np.array(kept_bytes, dtype=float)
-    return _Chain([-1] + list(candidates) + [n], kept, cost, reads, largest)
+    kept = np.array([sum(model.tensors[t].nbytes for i in cut for t in model.ops[i].outputs) for cut in cuts],
+                    dtype=float)
+    return _Chain([-1] + [max(cut) for cut in cuts] + [n], kept, cost, reads, largest)
 
 
 def _surrogate_dp(chain: _Chain, budget: float, buckets: int = 256) -> Optional[List[int]]:
@@ -157,11 +166,11 @@ def select_for_budget(
     """Checkpoint ops minimising recomputation with simulated peak <= ``budget``.
 
     ``candidates`` are op indices or sets of op indices (cuts), ordered from
-    the inputs to the outputs.  Three steps, every plan judged by the
-    simulator: the surrogate DP (its budget tightened until the simulated
-    peak fits), evenly spaced plans and Chen et al.'s greedy plans as
-    fallbacks, greedy additions while nothing fits, then a local search that drops or shifts checkpoints while
-    the plan still fits and gets cheaper.  The number of simulations is
+    the inputs to the outputs.  Every plan is judged by the simulator: the
+    surrogate DP (its budget tightened until the simulated peak fits),
+    Chen et al.'s greedy plans and evenly spaced plans as fallbacks, then a
+    local search (add, drop or shift one cut) that lowers the peak while
+    nothing fits and the recomputation once something does.  The number of simulations is
     bounded (``max_evaluations``, scaled down for large graphs).
 
     ``cut_bytes`` (optional) gives the activation bytes computed before each
@@ -175,7 +184,7 @@ def select_for_budget(
       BudgetError: nothing found fits; the message gives the smallest
         budget found feasible.
     """
-    cuts = [[c] if isinstance(c, (int, np.integer)) else list(c) for c in candidates]
+    cuts = _as_cuts(candidates)
     if len(cuts) > max_candidates:
         # The DP is quadratic in the candidates: keep an evenly spread subset
         # (always the last cut), so large graphs are planned in seconds.
@@ -183,15 +192,13 @@ def select_for_budget(
         cuts = [cuts[k] for k in keep]
         if cut_bytes is not None:
             cut_bytes = [cut_bytes[k] for k in keep]
-    positions = [max(cut) for cut in cuts]
     if max_evaluations is None:
         max_evaluations = max(60, 100_000 // max(len(model.ops), 1))
     cache = {}
 
     def evaluate(chosen: Tuple[int, ...]):
         if chosen not in cache:
-            ops = sorted({i for k in chosen for i in cuts[k]})
-            sim = simulate(model, ops, keep_x_gradients=keep_x_gradients)
+            sim = simulate(model, _ops_of(cuts, chosen), keep_x_gradients=keep_x_gradients)
             cache[chosen] = (sim.recompute_cost, sim.peak_bytes)
         return cache[chosen]
 
@@ -206,7 +213,7 @@ def select_for_budget(
             best = chosen
 
     # 1. the surrogate DP, tightened until the simulated peak fits
-    chain = _chain(model, positions, [sum(model.tensors[t].nbytes for i in cut for t in model.ops[i].outputs) for cut in cuts])
+    chain = _chain(model, cuts)
     target = float(budget - model.resident_bytes)
     for _ in range(rounds):
         picked = _surrogate_dp(chain, target) if target > 0 else None
@@ -221,7 +228,7 @@ def select_for_budget(
     if cut_bytes is None:
         before = np.concatenate([[0.0], np.cumsum([
             sum(model.tensors[t].nbytes for t in op.outputs) if op.forward else 0 for op in model.ops])])
-        cut_bytes = [before[p + 1] for p in positions]
+        cut_bytes = [before[max(cut) + 1] for cut in cuts]
     for chosen in greedy_plans(cut_bytes, model.activation_bytes()):
         if len(cache) >= max_evaluations:
             break
@@ -262,8 +269,7 @@ def select_for_budget(
                 improved = True
                 break
     if best is not None:
-        ops = sorted({i for k in best for i in cuts[k]})
-        return ops, evaluate(best)[1]
+        return _ops_of(cuts, best), evaluate(best)[1]
     floor = min([peak for _, peak in cache.values()] + [minimum_peak(model, cuts, keep_x_gradients)])
     raise BudgetError(
         f"no checkpoint plan fits the budget of {format_bytes(budget)}; the smallest feasible "
@@ -295,15 +301,13 @@ def greedy_plans(cut_bytes: Sequence[float], total_bytes: float, thresholds: int
 
 def minimum_peak(model: GraphModel, candidates: Sequence, keep_x_gradients: bool = False) -> int:
     """The smallest simulated peak over DP plans for a range of budgets."""
-    cuts = [[c] if isinstance(c, (int, np.integer)) else list(c) for c in candidates]
-    chain = _chain(model, [max(c) for c in cuts],
-                   [sum(model.tensors[t].nbytes for i in c for t in model.ops[i].outputs) for c in cuts])
+    cuts = _as_cuts(candidates)
+    chain = _chain(model, cuts)
     plain = simulate(model, keep_x_gradients=keep_x_gradients).peak_bytes
     best = plain
     for fraction in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7):
         picked = _surrogate_dp(chain, fraction * (plain - model.resident_bytes))
         if picked is None:
             continue
-        ops = sorted({i for k in picked for i in cuts[k]})
-        best = min(best, simulate(model, ops, keep_x_gradients=keep_x_gradients).peak_bytes)
+        best = min(best, simulate(model, _ops_of(cuts, picked), keep_x_gradients=keep_x_gradients).peak_bytes)
     return best
