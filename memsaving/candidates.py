@@ -79,9 +79,15 @@ def activation_digraph(model: GraphModel) -> Tuple[nx.DiGraph, List[int]]:
     return graph, order
 
 
-def articulation(model: GraphModel) -> List[int]:
-    """Copyable forward ops that every input-to-output path crosses, in order."""
-    graph, order = activation_digraph(model)
+Activations = Tuple[nx.DiGraph, List[int]]
+
+
+def articulation(model: GraphModel, activations: Optional[Activations] = None) -> List[int]:
+    """Copyable forward ops that every input-to-output path crosses, in order.
+
+    ``activations`` is ``activation_digraph(model)`` when the caller has it.
+    """
+    graph, order = activations or activation_digraph(model)
     return [i for i in bottlenecks(graph, order) if model.ops[i].copyable and _has_trainable_output(model, i)]
 
 
@@ -93,7 +99,8 @@ def speed(model: GraphModel) -> List[int]:
     ]
 
 
-def separator_chain(model: GraphModel, max_vertices: int = 200_000) -> List[Tuple[List[int], int]]:
+def separator_chain(model: GraphModel, max_vertices: int = 200_000,
+                    activations: Optional[Activations] = None) -> List[Tuple[List[int], int]]:
     """Sets of ops that cut every input-to-output path, ordered inputs to outputs.
 
     The activation DAG is made undirected and decomposed with min-fill
@@ -112,7 +119,7 @@ def separator_chain(model: GraphModel, max_vertices: int = 200_000) -> List[Tupl
     """
     import treedecomp  # pylint: disable=import-outside-toplevel
 
-    graph, order = activation_digraph(model)
+    graph, order = activations or activation_digraph(model)
     if graph.number_of_nodes() < 3 or graph.number_of_nodes() > max_vertices:
         return []
     sources = {n for n in graph if graph.in_degree(n) == 0}
@@ -160,7 +167,8 @@ def separator_chain(model: GraphModel, max_vertices: int = 200_000) -> List[Tupl
     return [(list(cut), input_bytes) for cut, input_bytes in ranked]
 
 
-def level_cuts(model: GraphModel, max_size: int = 64) -> List[Tuple[List[int], int]]:
+def level_cuts(model: GraphModel, max_size: int = 64,
+               activations: Optional[Activations] = None) -> List[Tuple[List[int], int]]:
     """Cuts between consecutive depth levels of the activation DAG.
 
     Ops are grouped by depth (longest path from a source).  After each
@@ -175,12 +183,8 @@ def level_cuts(model: GraphModel, max_size: int = 64) -> List[Tuple[List[int], i
       ``(cut, input_side_bytes)`` pairs in level order, cuts of at most
       ``max_size`` ops.
     """
-    graph, order = activation_digraph(model)
-    depth = {}
-    for n in order:
-        depth[n] = max((depth[p] + 1 for p in graph.predecessors(n)), default=0)
-    rank = {n: k for k, n in enumerate(order)}
-    by_level = sorted(order, key=lambda n: (depth[n], rank[n]))
+    graph, order = activations or activation_digraph(model)
+    depth, by_level = _depth_order(graph, order)
     position = {n: k for k, n in enumerate(by_level)}
     last_use = {n: max((position[s] for s in graph.successors(n)), default=-1) for n in by_level}
     frontier = set()
@@ -199,20 +203,25 @@ def level_cuts(model: GraphModel, max_size: int = 64) -> List[Tuple[List[int], i
     return cuts
 
 
-def _bytes_through(graph: nx.DiGraph, order: Sequence[int]) -> dict:
-    """Activation bytes computed up to and including each op, in depth order.
-
-    Ops are ordered by depth (longest path from a source), then by ``order``;
-    the running sum of bytes gives every cut, whatever its kind, a comparable
-    position between the inputs and the outputs.
-    """
+def _depth_order(graph: nx.DiGraph, order: Sequence[int]) -> Tuple[dict, List[int]]:
+    """Each op's depth (longest path from a source) and the ops sorted by
+    depth, ties in ``order``."""
     depth = {}
     for n in order:
         depth[n] = max((depth[p] + 1 for p in graph.predecessors(n)), default=0)
     rank = {n: k for k, n in enumerate(order)}
+    return depth, sorted(order, key=lambda n: (depth[n], rank[n]))
+
+
+def _bytes_through(graph: nx.DiGraph, order: Sequence[int]) -> dict:
+    """Activation bytes computed up to and including each op, in depth order.
+
+    The running sum of bytes in depth order gives every cut, whatever its
+    kind, a comparable position between the inputs and the outputs.
+    """
     running = 0
     through = {}
-    for n in sorted(order, key=lambda n: (depth[n], rank[n])):
+    for n in _depth_order(graph, order)[1]:
         running += graph.nodes[n]["bytes"]
         through[n] = running
     return through
@@ -226,11 +235,12 @@ def memory_candidates(model: GraphModel) -> List[Tuple[List[int], int]]:
     each.  Chains get singletons; multi-branch graphs (towers, U-Nets), which
     have few or no single separators, get small cuts.
     """
-    graph, order = activation_digraph(model)
-    through = _bytes_through(graph, order)
+    activations = activation_digraph(model)
+    through = _bytes_through(*activations)
     merged = {}
-    found = [[i] for i in articulation(model)]
-    found += [cut for cut, _ in separator_chain(model)] + [cut for cut, _ in level_cuts(model)]
+    found = [[i] for i in articulation(model, activations)]
+    found += [cut for cut, _ in separator_chain(model, activations=activations)]
+    found += [cut for cut, _ in level_cuts(model, activations=activations)]
     for cut in found:
         if all(model.ops[i].copyable for i in cut):
             # one measure for every kind of cut, so they interleave correctly
