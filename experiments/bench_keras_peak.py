@@ -46,8 +46,7 @@ def measure(model, mode, x):
     start = time.perf_counter()
     step(x).numpy()
     seconds = time.perf_counter() - start
-    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    peak = memsaving.measure_peak(step, x) - before
+    peak = memsaving.measure_peak_increase(step, x)
     plan = captured["plan"]
     predicted = plan.predicted_peak - plan.resident_bytes if mode != "plain" else plan.plain_peak - plan.resident_bytes
     return peak, predicted, seconds

@@ -32,7 +32,7 @@ from memsaving.gradients import (  # noqa: E402
     plan,
 )
 from memsaving.planning import Plan  # noqa: E402
-from memsaving.measure import measure_peak  # noqa: E402
+from memsaving.measure import measure_peak, measure_peak_increase  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -50,5 +50,6 @@ __all__ = [
     "gradients_memory",
     "gradients_speed",
     "measure_peak",
+    "measure_peak_increase",
     "plan",
 ]

@@ -30,16 +30,21 @@ def measure_peak(fn: Callable[..., Any], *args, device: Optional[str] = None, **
       PeakMemoryUnavailableError: the device's allocator keeps no statistics.
     """
     device = device or _default_device()
-    try:
-        tf.config.experimental.reset_memory_stats(device)
-    except (ValueError, RuntimeError, tf.errors.OpError) as err:
-        raise PeakMemoryUnavailableError(_advice(device, err)) from err
+    _reset(device)
     result = fn(*args, **kwargs)
     tf.nest.map_structure(
         lambda t: t.numpy() if hasattr(t, "numpy") else t,
         result,
     )
     return int(tf.config.experimental.get_memory_info(device)["peak"])
+
+
+def _reset(device: str) -> None:
+    """Reset the device's allocator statistics, or explain why there are none."""
+    try:
+        tf.config.experimental.reset_memory_stats(device)
+    except (ValueError, RuntimeError, tf.errors.OpError) as err:
+        raise PeakMemoryUnavailableError(_advice(device, err)) from err
 
 
 def _advice(device: str, err: Exception) -> str:
@@ -53,3 +58,17 @@ def _advice(device: str, err: Exception) -> str:
             f"Currently TF_CPU_ALLOCATOR_USE_BFC={state!r}."
         )
     return f"device {device} keeps no memory statistics ({err})."
+
+
+
+def measure_peak_increase(fn: Callable[..., Any], *args, device: Optional[str] = None, **kwargs) -> int:
+    """Like :func:`measure_peak`, minus the bytes already in use before the call.
+
+    The allocator's peak includes everything allocated earlier, such as model
+    variables and results still alive; this is the memory the call itself
+    needed (activations, gradients, temporaries).
+    """
+    device = device or _default_device()
+    _reset(device)
+    before = int(tf.config.experimental.get_memory_info(device)["current"])
+    return measure_peak(fn, *args, device=device, **kwargs) - before

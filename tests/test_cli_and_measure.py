@@ -35,3 +35,16 @@ def test_measure_peak_without_statistics_says_what_to_do(monkeypatch):
 def test_import_sets_bfc_variable():
     assert os.environ.get("TF_CPU_ALLOCATOR_USE_BFC") == "true"
     assert memsaving.measure_peak(lambda: memsaving.__name__) >= 0
+
+
+def test_measure_peak_increase_excludes_memory_already_in_use():
+    import tensorflow as tf
+
+    held = tf.ones([1024, 1024])  # 4 MiB alive before the call
+    x = tf.random.normal([512, 1024], seed=1)
+    step = tf.function(lambda x: tf.reduce_sum(tf.exp(x) * 2.0))  # 2 MiB temporaries
+    step(x)
+    total = memsaving.measure_peak(step, x)
+    increase = memsaving.measure_peak_increase(step, x)
+    assert total - increase >= held.shape.num_elements() * 4
+    assert 2 * 2 ** 20 <= increase < total
