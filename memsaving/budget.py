@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from memsaving.errors import BudgetError
+from memsaving.chain import Chain, as_cuts as _as_cuts, chain as _chain, ops_of as _ops_of
 from memsaving.graph import GraphModel
+from memsaving.nested import nested_plan, thinned_chain
+from memsaving.schedule import kept_set, validate_inner
 from memsaving.simulate import simulate
 
 _UNITS = {
@@ -62,41 +65,7 @@ def parse_bytes(value: Union[int, float, str]) -> int:
     return result
 
 
-@dataclass
-class _Chain:
-    positions: List[int]  # op index of each candidate, plus start (-1) and end (n)
-    kept: np.ndarray  # bytes kept by each candidate
-    cost_prefix: np.ndarray  # cumulative forward cost by op position
-    reads_prefix: np.ndarray  # cumulative grad-read bytes by op position
-    largest: np.ndarray  # largest tensor per op position (gradient buffers)
-
-
-def _as_cuts(candidates: Sequence[Union[int, Sequence[int]]]) -> List[List[int]]:
-    """Candidates as lists of op indices (a single op becomes a one-op cut)."""
-    return [[c] if isinstance(c, (int, np.integer)) else list(c) for c in candidates]
-
-
-def _ops_of(cuts: Sequence[Sequence[int]], chosen: Sequence[int]) -> List[int]:
-    """The op indices of the chosen cuts."""
-    return sorted({i for k in chosen for i in cuts[k]})
-
-
-def _chain(model: GraphModel, cuts: Sequence[Sequence[int]]) -> _Chain:
-    n = len(model.ops)
-    cost = np.zeros(n + 1)
-    reads = np.zeros(n + 1)
-    largest = np.zeros(n)
-    for i, op in enumerate(model.ops):
-        fwd = op.forward
-        cost[i + 1] = cost[i] + (op.cost if fwd else 0.0)
-        reads[i + 1] = reads[i] + (sum(model.tensors[t].nbytes for t in op.grad_reads) if fwd else 0)
-        largest[i] = max([model.tensors[t].nbytes for t in op.outputs] + [0]) if fwd else 0
-    kept = np.array([sum(model.tensors[t].nbytes for i in cut for t in model.ops[i].outputs) for cut in cuts],
-                    dtype=float)
-    return _Chain([-1] + [max(cut) for cut in cuts] + [n], kept, cost, reads, largest)
-
-
-def _surrogate_dp(chain: _Chain, budget: float, buckets: int = 256) -> Optional[List[int]]:
+def _surrogate_dp(chain: Chain, budget: float, buckets: int = 256) -> Optional[List[int]]:
     """Indices (into the candidate list) of the cheapest surrogate-feasible subset."""
     m = len(chain.positions) - 2
     total_kept = float(chain.kept.sum()) if m else 0.0
@@ -107,18 +76,13 @@ def _surrogate_dp(chain: _Chain, budget: float, buckets: int = 256) -> Optional[
     best = [np.full(size, inf) for _ in range(m + 2)]
     parent = [np.full(size, -1, dtype=int) for _ in range(m + 2)]
     best[0][0] = 0.0
-    pos = chain.positions
     for b in range(1, m + 2):
         last = b == m + 1
-        hi = pos[b] if not last else len(chain.largest) - 1
         for a in range(0, b):
             if not np.isfinite(best[a]).any():
                 continue
-            lo = pos[a] + 1
-            seg_reads = chain.reads_prefix[hi + 1] - chain.reads_prefix[lo]
-            seg_largest = chain.largest[lo:hi + 1].max() if hi >= lo else 0.0
-            memory = seg_reads + 2 * seg_largest
-            recompute = 0.0 if last else chain.cost_prefix[hi + 1] - chain.cost_prefix[lo]
+            memory = chain.memory(a, b)
+            recompute = 0.0 if last else chain.cost(a, b)
             allowed = int(np.floor((budget - memory) / scale))
             if allowed < 0:
                 continue
@@ -153,37 +117,24 @@ def _surrogate_dp(chain: _Chain, budget: float, buckets: int = 256) -> Optional[
     return sorted(chosen)
 
 
-def select_for_budget(
+@dataclass
+class _SearchResult:
+    cuts: List[List[int]]
+    evaluated: dict  # chosen cut indices -> (recompute_cost, simulated_peak)
+    best: Optional[Tuple[int, ...]]  # cheapest plan that fits, if any
+
+
+def _search(
     model: GraphModel,
     candidates: Sequence[Union[int, Sequence[int]]],
     budget: int,
-    keep_x_gradients: bool = False,
-    rounds: int = 8,
-    max_evaluations: Optional[int] = None,
-    cut_bytes: Optional[Sequence[float]] = None,
-    max_candidates: int = 500,
-) -> Tuple[List[int], int]:
-    """Checkpoint ops minimising recomputation with simulated peak <= ``budget``.
-
-    ``candidates`` are op indices or sets of op indices (cuts), ordered from
-    the inputs to the outputs.  Every plan is judged by the simulator: the
-    surrogate DP (its budget tightened until the simulated peak fits),
-    Chen et al.'s greedy plans and evenly spaced plans as fallbacks, then a
-    local search (add, drop or shift one cut) that lowers the peak while
-    nothing fits and the recomputation once something does.  The number of simulations is
-    bounded (``max_evaluations``, scaled down for large graphs).
-
-    ``cut_bytes`` (optional) gives the activation bytes computed before each
-    candidate, for the greedy plans; by default the bytes before the
-    candidate's last op in the model's order.  More than ``max_candidates``
-    candidates are thinned to an evenly spread subset first.
-
-    Returns ``(checkpoint_ops, simulated_peak)``.
-
-    Raises:
-      BudgetError: nothing found fits; the message gives the smallest
-        budget found feasible.
-    """
+    keep_x_gradients: bool,
+    rounds: int,
+    max_evaluations: Optional[int],
+    cut_bytes: Optional[Sequence[float]],
+    max_candidates: int,
+) -> _SearchResult:
+    """The search behind :func:`select_for_budget` and :func:`lowest_peak_plan`."""
     cuts = _as_cuts(candidates)
     if len(cuts) > max_candidates:
         # The DP is quadratic in the candidates: keep an evenly spread subset
@@ -193,7 +144,7 @@ def select_for_budget(
         if cut_bytes is not None:
             cut_bytes = [cut_bytes[k] for k in keep]
     if max_evaluations is None:
-        max_evaluations = max(60, 100_000 // max(len(model.ops), 1))
+        max_evaluations = max(40, 20_000 // max(len(model.ops), 1))
     cache = {}
 
     def evaluate(chosen: Tuple[int, ...]):
@@ -268,15 +219,80 @@ def select_for_budget(
                 consider(move)
                 improved = True
                 break
-    if best is not None:
-        return _ops_of(cuts, best), evaluate(best)[1]
-    floor = min([peak for _, peak in cache.values()] + [minimum_peak(model, cuts, keep_x_gradients)])
+    return _SearchResult(cuts, cache, best)
+
+
+def select_for_budget(
+    model: GraphModel,
+    candidates: Sequence[Union[int, Sequence[int]]],
+    budget: int,
+    keep_x_gradients: bool = False,
+    rounds: int = 8,
+    max_evaluations: Optional[int] = None,
+    cut_bytes: Optional[Sequence[float]] = None,
+    max_candidates: int = 500,
+) -> Tuple[List[int], int]:
+    """Checkpoint ops minimising recomputation with simulated peak <= ``budget``.
+
+    ``candidates`` are op indices or sets of op indices (cuts), ordered from
+    the inputs to the outputs.  Every plan is judged by the simulator: the
+    surrogate DP (its budget tightened until the simulated peak fits),
+    Chen et al.'s greedy plans and evenly spaced plans as fallbacks, then a
+    local search (add, drop or shift one cut) that lowers the peak while
+    nothing fits and the recomputation once something does.  The number of simulations is
+    bounded (``max_evaluations``, scaled down for large graphs).
+
+    ``cut_bytes`` (optional) gives the activation bytes computed before each
+    candidate, for the greedy plans; by default the bytes before the
+    candidate's last op in the model's order.  More than ``max_candidates``
+    candidates are thinned to an evenly spread subset first.
+
+    Returns ``(checkpoint_ops, simulated_peak)``.
+
+    Raises:
+      BudgetError: nothing found fits; the message gives the smallest
+        budget found feasible.
+    """
+    found = _search(model, candidates, budget, keep_x_gradients, rounds, max_evaluations, cut_bytes,
+                    max_candidates)
+    if found.best is not None:
+        return _ops_of(found.cuts, found.best), found.evaluated[found.best][1]
+    floor = min([peak for _, peak in found.evaluated.values()]
+                + [minimum_peak(model, found.cuts, keep_x_gradients)])
+    _raise_infeasible(model, budget, floor)
+
+
+def _raise_infeasible(model: GraphModel, budget: int, floor: int):
     raise BudgetError(
         f"no checkpoint plan fits the budget of {format_bytes(budget)}; the smallest feasible "
         f"budget found is {format_bytes(floor)} ({floor} bytes), of which "
         f"{format_bytes(model.resident_bytes)} are parameters and inputs. Raise the budget, "
         "or reduce the batch size."
     )
+
+
+def lowest_peak_plan(
+    model: GraphModel,
+    candidates: Sequence[Union[int, Sequence[int]]],
+    keep_x_gradients: bool = False,
+    cut_bytes: Optional[Sequence[float]] = None,
+    max_evaluations: Optional[int] = None,
+) -> Tuple[List[int], int]:
+    """The single-level plan of lowest simulated peak that the search finds.
+
+    The same search as :func:`select_for_budget` with a budget nothing fits,
+    so every step lowers the peak; ties go to less recomputation.  Returns
+    ``(checkpoint_ops, simulated_peak)``.
+    """
+    found = _search(model, candidates, 0, keep_x_gradients, 8, max_evaluations, cut_bytes, 500)
+    plain = simulate(model, keep_x_gradients=keep_x_gradients)
+    options = [((plain.peak_bytes, 0.0), [])] + [
+        ((peak, cost), _ops_of(found.cuts, chosen)) for chosen, (cost, peak) in found.evaluated.items()]
+    for ops in low_peak_plans(model, found.cuts):
+        sim = simulate(model, ops, keep_x_gradients=keep_x_gradients)
+        options.append(((sim.peak_bytes, sim.recompute_cost), ops))
+    (peak, _), ops = min(options, key=lambda option: option[0])
+    return ops, peak
 
 
 def greedy_plans(cut_bytes: Sequence[float], total_bytes: float, thresholds: int = 30) -> List[Tuple[int, ...]]:
@@ -299,15 +315,133 @@ def greedy_plans(cut_bytes: Sequence[float], total_bytes: float, thresholds: int
     return list(dict.fromkeys(plans))
 
 
-def minimum_peak(model: GraphModel, candidates: Sequence, keep_x_gradients: bool = False) -> int:
-    """The smallest simulated peak over DP plans for a range of budgets."""
+def low_peak_plans(model: GraphModel, candidates: Sequence) -> List[List[int]]:
+    """Checkpoint ops of the surrogate DP's plans for a range of small budgets.
+
+    Each is a single-level plan (every op recomputed at most once), so each
+    costs at most about one extra forward pass; the simulator decides which
+    is lowest.
+    """
     cuts = _as_cuts(candidates)
     chain = _chain(model, cuts)
-    plain = simulate(model, keep_x_gradients=keep_x_gradients).peak_bytes
-    best = plain
+    plain = simulate(model).peak_bytes - model.resident_bytes
+    plans = []
     for fraction in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7):
-        picked = _surrogate_dp(chain, fraction * (plain - model.resident_bytes))
-        if picked is None:
-            continue
-        best = min(best, simulate(model, _ops_of(cuts, picked), keep_x_gradients=keep_x_gradients).peak_bytes)
+        picked = _surrogate_dp(chain, fraction * plain)
+        if picked is not None:
+            plans.append(_ops_of(cuts, picked))
+    return plans
+
+
+def minimum_peak(model: GraphModel, candidates: Sequence, keep_x_gradients: bool = False) -> int:
+    """The smallest simulated peak over DP plans for a range of budgets."""
+    peaks = [simulate(model, ops, keep_x_gradients=keep_x_gradients).peak_bytes
+             for ops in [[]] + low_peak_plans(model, candidates)]
+    return min(peaks)
+
+
+@dataclass
+class BudgetPlan:
+    """The plan chosen for a budget: level-1 checkpoints, inner checkpoints
+    (multi-level plans; empty for single-level ones) and its simulated peak
+    and recomputation."""
+
+    checkpoint_ops: List[int]
+    inner: Dict[int, Tuple[int, ...]]
+    peak: int
+    recompute_cost: float
+
+
+def plan_for_budget(
+    model: GraphModel,
+    candidates: Sequence[Union[int, Sequence[int]]],
+    budget: int,
+    keep_x_gradients: bool = False,
+    cut_bytes: Optional[Sequence[float]] = None,
+    max_evaluations: Optional[int] = None,
+    multilevel: bool = True,
+) -> BudgetPlan:
+    """The least-recomputation plan whose simulated peak fits ``budget``.
+
+    Single-level plans come from :func:`select_for_budget`'s search;
+    with ``multilevel``, recursive plans from the multi-level DP
+    (:mod:`memsaving.nested`) compete with them, judged by the same
+    simulator.  Recursive plans reach budgets below any single-level plan,
+    for more recomputation.
+
+    Raises:
+      BudgetError: nothing fits; the message gives the smallest budget found
+        feasible.
+    """
+    found = _search(model, candidates, budget, keep_x_gradients, 8, max_evaluations, cut_bytes, 500)
+    options = []
+    floor = None
+    if found.best is not None:
+        cost, peak = found.evaluated[found.best]
+        options.append(BudgetPlan(_ops_of(found.cuts, found.best), {}, peak, cost))
+    if multilevel:
+        for proposal, sim in _nested_search(model, candidates, budget, keep_x_gradients):
+            floor = sim.peak_bytes if floor is None else min(floor, sim.peak_bytes)
+            if sim.peak_bytes <= budget:
+                options.append(BudgetPlan(proposal.checkpoint_ops, proposal.inner, sim.peak_bytes,
+                                          sim.recompute_cost))
+    if options:
+        return min(options, key=lambda option: (option.recompute_cost, option.peak))
+    lowest = _lowest_plan(model, candidates, keep_x_gradients, cut_bytes, multilevel)
+    if lowest.peak <= budget:
+        return lowest
+    _raise_infeasible(model, budget, lowest.peak)
+
+
+def _lowest_plan(model: GraphModel, candidates, keep_x_gradients: bool, cut_bytes, multilevel: bool) -> BudgetPlan:
+    """The lowest-peak plan found by searches that do not depend on the
+    budget asked for: the floor the BudgetError message reports, which
+    therefore fits when passed back as the budget."""
+    ops, _ = lowest_peak_plan(model, candidates, keep_x_gradients, cut_bytes)
+    sim = simulate(model, ops, keep_x_gradients=keep_x_gradients)
+    best = BudgetPlan(ops, {}, sim.peak_bytes, sim.recompute_cost)
+    if not multilevel:
+        return best
+    resident = model.resident_bytes
+    activations = simulate(model, keep_x_gradients=keep_x_gradients).peak_bytes - resident
+    for fraction in (0.3, 0.15, 0.08, 0.04):
+        target = resident + int(fraction * activations)
+        for proposal, sim in _nested_search(model, candidates, target, keep_x_gradients, rounds=5):
+            if (sim.peak_bytes, sim.recompute_cost) < (best.peak, best.recompute_cost):
+                best = BudgetPlan(proposal.checkpoint_ops, proposal.inner, sim.peak_bytes, sim.recompute_cost)
     return best
+
+
+def _nested_search(model: GraphModel, candidates, budget: int, keep_x_gradients: bool, rounds: int = 7):
+    """Recursive plans for ``budget`` with their simulations.
+
+    The surrogate's memory is only an estimate (often pessimistic), so the
+    surrogate budget is searched (bisection in log space between 0.3x and 3x
+    the real one): too small and the DP finds nothing, too large and the plan's
+    simulated peak exceeds the budget.
+    """
+    cuts, summary = thinned_chain(model, candidates)
+    real = float(budget - model.resident_bytes)
+    if real <= 0 or not cuts:
+        return []
+    low, high = np.log(0.3 * real), np.log(3.0 * real)
+    found = []
+    for _ in range(rounds):
+        middle = 0.5 * (low + high)
+        proposal = nested_plan(model, cuts, summary, float(np.exp(middle)))
+        if proposal is None:
+            low = middle
+            continue
+        kept = kept_set(model, proposal.checkpoint_ops)
+        try:
+            validate_inner(model, kept, proposal.inner)
+        except ValueError:
+            low = middle
+            continue
+        sim = simulate(model, kept=kept, keep_x_gradients=keep_x_gradients, inner=proposal.inner)
+        found.append((proposal, sim))
+        if sim.peak_bytes <= budget:
+            low = middle  # fits: a looser surrogate budget may recompute less
+        else:
+            high = middle
+    return found

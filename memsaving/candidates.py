@@ -50,6 +50,8 @@ def parameter_ops(model: GraphModel) -> set:
         if op.type in PARAMETER_READ_TYPES:
             found.add(i)
             continue
+        if not op.copyable:
+            continue  # stateful: random inputs and dataset reads are data, not parameters
         sources = [model.tensors[t] for t in op.inputs]
         if sources and all(
             (info.producer < 0 and info.constant) or info.producer in found for info in sources

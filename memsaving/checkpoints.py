@@ -8,6 +8,7 @@ from typing import List, Sequence, Union
 import tensorflow as tf
 
 from memsaving import candidates
+from memsaving.budget import lowest_peak_plan
 from memsaving.errors import CheckpointError
 from memsaving.extract import op_indices
 from memsaving.forward import ForwardGraph
@@ -92,12 +93,15 @@ def _memory(model: GraphModel) -> List[int]:
 
 
 def _lowest_peak(model: GraphModel, cuts) -> List[int]:
-    """Of a few sqrt(n)-style plans, the one the simulator predicts lowest.
+    """Of a few sqrt(n)-style plans and the budget search's lowest-peak plan,
+    the one the simulator predicts lowest.
 
     sqrt(n) is only a rule of thumb: when the candidates are many
     overlapping cuts (level frontiers of a ResNet) it keeps too much, when
-    they are single separators it is about right.  Both pools and a few
-    counts around sqrt(n) are scored; ties go to less recomputation.
+    they are single separators it is about right; on U-Nets, whose skips
+    stay alive across the whole network, unevenly spaced cuts do better.
+    All are single-level plans (about one extra forward pass at most); ties
+    go to less recomputation.
     """
     singles = [(cut, b) for cut, b in cuts if len(cut) == 1]
     pools = [cuts] + ([singles] if singles and len(singles) < len(cuts) else [])
@@ -106,6 +110,7 @@ def _lowest_peak(model: GraphModel, cuts) -> List[int]:
         root = max(1, int(round(len(pool) ** 0.5)))
         for count in sorted({max(1, root // 2), root, min(len(pool), 2 * root)}):
             options.append(candidates.sqrtn_sets(model, pool, count))
+    options.append(lowest_peak_plan(model, [cut for cut, _ in cuts], cut_bytes=[b for _, b in cuts])[0])
     best, best_key = None, None
     for ops in options:
         sim = simulate(model, ops)

@@ -1,5 +1,8 @@
 """Exceptions raised by memsaving, each with a message that says what to do."""
 
+import re
+from typing import Optional
+
 
 class MemsavingError(Exception):
     """Base class of every error memsaving raises on purpose."""
@@ -25,3 +28,10 @@ class PeakMemoryUnavailableError(MemsavingError, RuntimeError):
 
 class BudgetError(MemsavingError, ValueError):
     """No plan fits the memory budget; the message gives the smallest feasible one."""
+
+    @property
+    def smallest_budget(self) -> Optional[int]:
+        """The smallest feasible budget in bytes, read from the message (so it
+        survives AutoGraph, which re-creates exceptions from their message)."""
+        match = re.search(r"\((\d+) bytes\)", str(self))
+        return int(match.group(1)) if match else None

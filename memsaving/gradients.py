@@ -17,7 +17,7 @@ from tensorflow.python.framework import indexed_slices
 from tensorflow.python.ops import control_flow_util, resource_variable_ops
 
 from memsaving import candidates
-from memsaving.budget import parse_bytes, select_for_budget
+from memsaving.budget import parse_bytes, plan_for_budget
 from memsaving.checkpoints import Checkpoints, resolve_checkpoints
 from memsaving.errors import CheckpointError
 from memsaving.extract import graph_model
@@ -164,11 +164,10 @@ def gradients(
         fwd, plan_ = _plan(ys, xs, checkpoints, budget, kwargs)
         by_name = {op.name: op for op in fwd.ops}
         kept = {by_name[n] for n in plan_.kept_ops if n in by_name}
-        unit_ops = {
-            by_name[anchor] if anchor else None: [by_name[n] for n in names]
-            for anchor, names in plan_.unit_ops.items()
-        }
-        builder = BackwardBuilder(fwd, kept, unit_ops, gradients_fn, passed)
+        kept |= {by_name[n] for names in plan_.inner_checkpoints.values() for n in names}
+        steps = [(kind, by_name[anchor] if anchor else None, [by_name[n] for n in names])
+                 for kind, anchor, names in plan_.steps]
+        builder = BackwardBuilder(fwd, kept, steps, gradients_fn, passed)
         result = builder.build(ys, grad_ys, xs, unconnected == tf.UnconnectedGradients.ZERO)
     logger.info(
         "memsaving.gradients: %d forward ops, %d checkpoints, %d segments, %d ops recomputed; "
@@ -212,8 +211,9 @@ def _plan(ys, xs, checkpoints, budget, kwargs) -> tuple:
             "budget= found no candidate checkpoint (the graph between xs and ys has no cut); "
             "pass checkpoints=[tensors] as the candidates to choose from."
         )
-    chosen, _ = select_for_budget(model, pool, budget_bytes, keep_x_gradients=keep_x, cut_bytes=cut_bytes)
-    return fwd, make_plan(model, chosen, "budget", budget=budget_bytes, keep_x_gradients=keep_x)
+    chosen = plan_for_budget(model, pool, budget_bytes, keep_x_gradients=keep_x, cut_bytes=cut_bytes)
+    return fwd, make_plan(model, chosen.checkpoint_ops, "budget", budget=budget_bytes,
+                          keep_x_gradients=keep_x, inner=chosen.inner)
 
 
 @_do_not_convert

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, TextIO, Tuple
 
 from memsaving.graph import GraphModel
-from memsaving.schedule import backward_units, kept_set
+from memsaving.schedule import Inner, backward_units, kept_set, validate_inner
 from memsaving.simulate import Simulation, simulate
 
 
@@ -22,9 +22,9 @@ from memsaving.simulate import Simulation, simulate
 class Segment:
     """One backward unit of the plan."""
 
-    kind: str  # "output", "segment" or "pass"
+    kind: str  # "output", "segment", "advance" (multi-level) or "pass"
     anchor: str  # the kept op that starts it ("" for the output unit)
-    ops: int  # ops differentiated (and recomputed, for "segment")
+    ops: int  # ops differentiated (and recomputed, for "segment"; only recomputed, for "advance")
     kept_bytes: int  # bytes of the anchor's outputs kept from the forward pass
     recompute_cost: float  # FLOPs recomputed
 
@@ -45,9 +45,11 @@ class Plan:
       budget: the memory budget in bytes, when one was given.
       resident_bytes: memory counted as in use before the step (parameters,
         inputs); part of ``predicted_peak``.
-      unit_ops: for the output unit (key ``""``) and each recomputed segment
-        (key: its kept op), the names of the ops it differentiates, in
-        topological order: exactly what ``memsaving.gradients`` copies.
+      inner_checkpoints: for multi-level plans, kept op name -> the names of
+        the inner checkpoints its segment recomputes first (empty otherwise).
+      steps: the backward units in execution order as ``(kind, anchor op
+        name, op names in topological order)``: exactly what
+        ``memsaving.gradients`` copies and differentiates.
     """
 
     mode: str
@@ -59,7 +61,8 @@ class Plan:
     predicted_compute: float
     budget: Optional[int] = None
     resident_bytes: int = 0
-    unit_ops: Dict[str, Tuple[str, ...]] = field(default_factory=dict, repr=False)
+    inner_checkpoints: Dict[str, List[str]] = field(default_factory=dict)
+    steps: List[Tuple[str, str, Tuple[str, ...]]] = field(default_factory=list, repr=False)
     simulation: Optional[Simulation] = field(default=None, repr=False)
 
     def explain(self, file: Optional[TextIO] = None) -> str:
@@ -73,7 +76,11 @@ class Plan:
         out = io.StringIO()
         mib = 2 ** 20
         out.write(f"memsaving plan ({self.mode}): {len(self.checkpoints)} checkpoints, "
-                  f"{sum(s.kind == 'segment' for s in self.segments)} recomputed segments\n")
+                  f"{sum(s.kind == 'segment' for s in self.segments)} recomputed segments")
+        inner = sum(len(v) for v in self.inner_checkpoints.values())
+        if inner:
+            out.write(f", {inner} inner checkpoints (multi-level)")
+        out.write("\n")
         out.write(f"predicted peak {self.predicted_peak / mib:.1f} MiB "
                   f"(plain tf.gradients {self.plain_peak / mib:.1f} MiB, "
                   f"{self.plain_peak / max(self.predicted_peak, 1):.2f}x lower)")
@@ -97,20 +104,23 @@ def make_plan(
     mode: str,
     budget: Optional[int] = None,
     keep_x_gradients: bool = False,
+    inner: Optional[Inner] = None,
 ) -> Plan:
-    """Score the plan that keeps ``checkpoint_ops`` and describe it."""
+    """Score the plan that keeps ``checkpoint_ops`` (and, for multi-level
+    plans, recomputes ``inner`` checkpoints) and describe it."""
+    inner = {a: tuple(v) for a, v in (inner or {}).items() if v}
     kept = kept_set(model, checkpoint_ops)
-    sim = simulate(model, kept=kept, keep_x_gradients=keep_x_gradients)
+    validate_inner(model, kept, inner)
+    sim = simulate(model, kept=kept, keep_x_gradients=keep_x_gradients, inner=inner)
     plain = simulate(model, keep_x_gradients=keep_x_gradients)
     segments = []
-    unit_ops = {}
-    for unit in backward_units(model, kept):
-        if unit.kind != "pass":
-            key = model.ops[unit.anchor].name if unit.anchor >= 0 else ""
-            unit_ops[key] = tuple(model.ops[i].name for i in unit.ops)
+    steps = []
+    for unit in backward_units(model, kept, inner):
         anchor = model.ops[unit.anchor] if unit.anchor >= 0 else None
+        steps.append((unit.kind, anchor.name if anchor else "", tuple(model.ops[i].name for i in unit.ops)))
         kept_bytes = sum(model.tensors[t].nbytes for t in anchor.outputs) if anchor else 0
-        recompute = sum(model.ops[i].cost for i in unit.ops) if unit.kind == "segment" else 0.0
+        recomputed = unit.kind in ("segment", "advance")
+        recompute = sum(model.ops[i].cost for i in unit.ops) if recomputed else 0.0
         if unit.kind == "pass" and model.ops[unit.anchor].type == "ReadVariableOp":
             continue
         segments.append(Segment(unit.kind, anchor.name if anchor else "", len(unit.ops), kept_bytes, recompute))
@@ -128,6 +138,7 @@ def make_plan(
         predicted_compute=sim.compute_ratio,
         budget=budget,
         resident_bytes=model.resident_bytes,
-        unit_ops=unit_ops,
+        inner_checkpoints={model.ops[a].name: [model.ops[i].name for i in v] for a, v in sorted(inner.items())},
+        steps=steps,
         simulation=sim,
     )

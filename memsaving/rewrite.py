@@ -17,6 +17,10 @@ outputs back to the inputs:
   freed right after.  ``tf.gradients`` is then called on the copies alone.
 * one **pass-through unit** per non-copyable kept op (stateful ops, control
   flow): the original op is differentiated directly.
+* for multi-level plans, an **advance** unit before a segment: the ops up to
+  the segment's inner checkpoints are copied (after the segment's output
+  gradients exist) and not differentiated; the sub-segments that follow read
+  the inner checkpoints from these copies instead of the forward pass.
 
 Gradients of each unit's inputs are accumulated and become the ``grad_ys`` of
 the units before it.  Because every unit's ``tf.gradients`` call starts from
@@ -26,7 +30,7 @@ segment; the total work stays linear in the graph size.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 from tensorflow.python.ops import default_gradient
@@ -66,17 +70,20 @@ class BackwardBuilder:
         self,
         fwd: ForwardGraph,
         kept: set,
-        unit_ops: Dict[Optional[tf.Operation], List[tf.Operation]],
+        steps: List[Tuple[str, Optional[tf.Operation], List[tf.Operation]]],
         gradients_fn: GradientsFn,
         gradient_kwargs: dict,
     ):
-        """``kept`` and ``unit_ops`` come from the plan (memsaving.planning):
-        ``unit_ops[None]`` are the ops of the output unit and
-        ``unit_ops[op]`` those of the segment started by kept op ``op``, in
-        topological order, so the rewrite copies exactly what was scored."""
+        """``kept`` and ``steps`` come from the plan (memsaving.planning):
+        ``kept`` holds every op whose outputs are checkpoints (inner ones
+        included), ``steps`` the units in execution order as ``(kind, anchor
+        op, ops in topological order)``, so the rewrite copies exactly what
+        was scored."""
         self.fwd = fwd
         self.kept = kept
-        self.unit_ops = unit_ops
+        self.steps = steps
+        # inner checkpoints rebuilt by advance units: forward tensor -> copy
+        self.sources = object_identity.ObjectIdentityDictionary()
         self.gradients_fn = gradients_fn
         self.gradient_kwargs = gradient_kwargs
         self.grads = _Accumulator()
@@ -97,7 +104,7 @@ class BackwardBuilder:
         return is_trainable(tensor) and self.fwd.contains_tensor(tensor) and self.is_kept(tensor)
 
     # -- units --------------------------------------------------------------
-    def output_unit(self, ys: Sequence[tf.Tensor], grad_ys: Sequence) -> None:
+    def output_unit(self, ys: Sequence[tf.Tensor], grad_ys: Sequence, ops: List[tf.Operation]) -> None:
         """Differentiate the ops after the last kept tensors, in place."""
         inner, inner_grads = [], []
         for y, gy in zip(ys, grad_ys):
@@ -110,7 +117,6 @@ class BackwardBuilder:
                 inner_grads.append(gy)
         if not inner:
             return
-        ops = self.unit_ops[None]
         boundary = self._boundary(ops)
         if not boundary:
             return
@@ -122,18 +128,23 @@ class BackwardBuilder:
             self.grads.add(t, g)
         self.previous_results = [g for g in results if g is not None]
 
-    def unit(self, op: tf.Operation) -> None:
-        """Propagate the gradients of kept op ``op``'s outputs to its inputs."""
+    def _output_gradients(self, op: tf.Operation) -> tuple:
         outs, out_grads = [], []
         for t in op.outputs:
             g = self.grads.total(t) if is_trainable(t) else None
             if g is not None:
                 outs.append(t)
                 out_grads.append(g)
+        return outs, out_grads
+
+    def unit(self, op: tf.Operation, ops: Sequence[tf.Operation]) -> None:
+        """Propagate the gradients of kept op ``op``'s outputs to its inputs
+        (``ops``: the segment to copy when ``op`` is copyable)."""
+        outs, out_grads = self._output_gradients(op)
         if not outs:
             return
         if is_copyable(op):
-            self._segment(op, outs, out_grads)
+            self._segment(op, ops, outs, out_grads)
         elif op.type == "ReadVariableOp":
             handle = op.inputs[0]
             if self.fwd.contains_tensor(handle):
@@ -169,20 +180,17 @@ class BackwardBuilder:
             self.grads.add(t, g)
         self.previous_results = [g for g in results if g is not None]
 
-    def _segment(self, op, outs, out_grads) -> None:
-        """Recompute ``op``'s segment after its output gradients exist."""
-        ops = self.unit_ops[op]
+    def _wait_for(self, out_grads) -> list:
+        """Ops a unit's first copies wait on: its output gradients and the
+        previous unit's results (except fusable bias gradients)."""
         wait_for = []
         for g in list(out_grads) + [g for g in self.previous_results if not _fusable_bias_gradient(g)]:
             wait_for.extend(producing_ops(g))
-        wait_for = list({id(o): o for o in wait_for}.values())
-        self.segments += 1
-        prefix = f"recompute_{self.segments}/"
-        boundary = self._boundary(ops)
-        proxies = object_identity.ObjectIdentityDictionary()
-        for t in boundary:
-            with tf.device(t.op.device):
-                proxies[t] = tf.identity(t, name=f"segment_inputs_{self.segments}/proxy")
+        return list({id(o): o for o in wait_for}.values())
+
+    def _copy_ops(self, ops, proxies, wait_for, prefix) -> dict:
+        """Copies of ``ops`` reading each other, ``proxies``, rebuilt inner
+        checkpoints, or else the forward tensors; roots wait on ``wait_for``."""
         copies = {}
         for original in ops:
             inputs = []
@@ -192,12 +200,37 @@ class BackwardBuilder:
                 elif t in proxies:
                     inputs.append(proxies[t])
                 else:
-                    inputs.append(t)
+                    inputs.append(self.sources.get(t, t))
             control = [copies.get(c, c) for c in original.control_inputs]
             if not any(t.op in copies for t in original.inputs):
                 control.extend(wait_for)
             copies[original] = copy_op(original, inputs, control, prefix)
         self.recomputed_ops += len(ops)
+        return copies
+
+    def advance(self, op: tf.Operation, ops: Sequence[tf.Operation]) -> None:
+        """Rebuild the inner checkpoints of ``op``'s segment (multi-level)."""
+        _, out_grads = self._output_gradients(op)
+        if not out_grads:
+            return
+        self.segments += 1
+        copies = self._copy_ops(ops, object_identity.ObjectIdentityDictionary(), self._wait_for(out_grads),
+                                f"advance_{self.segments}/")
+        for original, copy in copies.items():
+            for source, target in zip(original.outputs, copy.outputs):
+                self.sources[source] = target
+
+    def _segment(self, op, ops, outs, out_grads) -> None:
+        """Recompute ``op``'s segment after its output gradients exist."""
+        wait_for = self._wait_for(out_grads)
+        self.segments += 1
+        prefix = f"recompute_{self.segments}/"
+        boundary = self._boundary(ops)
+        proxies = object_identity.ObjectIdentityDictionary()
+        for t in boundary:
+            with tf.device(t.op.device):
+                proxies[t] = tf.identity(self.sources.get(t, t), name=f"segment_inputs_{self.segments}/proxy")
+        copies = self._copy_ops(ops, proxies, wait_for, prefix)
         copied_outs = [copies[op].outputs[t.value_index] for t in outs]
         results = self.gradients_fn(
             copied_outs, list(proxies.values()), grad_ys=out_grads, **self.gradient_kwargs
@@ -208,9 +241,14 @@ class BackwardBuilder:
 
     # -- driver -------------------------------------------------------------
     def build(self, ys, grad_ys, xs, unconnected_zero: bool) -> list:
-        self.output_unit(ys, grad_ys)
-        for op in sorted(self.kept, key=self.fwd.position.__getitem__, reverse=True):
-            self.unit(op)
+        output_ops = [ops for kind, _, ops in self.steps if kind == "output"]
+        # always first: it also seeds the gradients of ys that are kept
+        self.output_unit(ys, grad_ys, output_ops[0] if output_ops else [])
+        for kind, op, ops in self.steps:
+            if kind == "advance":
+                self.advance(op, ops)
+            elif kind != "output":
+                self.unit(op, ops)
         results = []
         for x in xs:
             g = self.grads.total(x)

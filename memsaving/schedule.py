@@ -7,7 +7,7 @@ receives the closures through the plan), so what is predicted is what runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, List, Set
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from memsaving.graph import GraphModel
 
@@ -18,8 +18,11 @@ class Unit:
 
     ``kind`` is ``"output"`` (ops after the last kept tensors, differentiated
     in place), ``"segment"`` (``ops`` copied and differentiated; ``anchor`` is
-    the kept op whose gradient starts it) or ``"pass"`` (a kept op that cannot
-    be copied, differentiated in place).
+    the kept op whose gradient starts it), ``"pass"`` (a kept op that cannot
+    be copied, differentiated in place) or ``"advance"`` (multi-level
+    recomputation: ``ops`` are recomputed, not differentiated, to rebuild the
+    inner checkpoints of ``anchor``'s segment; the units that follow read
+    those copies).
     """
 
     kind: str
@@ -58,8 +61,21 @@ def closure(model: GraphModel, seeds: Iterable[int], kept: Set[int]) -> tuple:
     return tuple(sorted(found))
 
 
-def backward_units(model: GraphModel, kept: Set[int]) -> List[Unit]:
-    """The units in the order the backward pass runs them."""
+Inner = Dict[int, Tuple[int, ...]]
+"""Multi-level plans: segment anchor -> the inner checkpoints its backward
+recomputes first and holds while the sub-segments after them are processed."""
+
+
+def backward_units(model: GraphModel, kept: Set[int], inner: Optional[Inner] = None) -> List[Unit]:
+    """The units in the order the backward pass runs them.
+
+    With ``inner``, the segment of anchor ``a`` becomes: an ``advance`` unit
+    recomputing ``inner[a]`` from the kept tensors, then the sub-segments
+    ``a``, ``inner[a][-1]``, ..., ``inner[a][0]`` (each possibly with inner
+    checkpoints of its own), whose closures stop at the inner checkpoints:
+    Revolve-style recursive checkpointing.
+    """
+    inner = inner or {}
     xs = set(model.xs)
     inner_ys = [
         model.tensors[y].producer for y in model.ys
@@ -73,7 +89,45 @@ def backward_units(model: GraphModel, kept: Set[int]) -> List[Unit]:
     for i in sorted(kept, reverse=True):
         op = model.ops[i]
         if op.copyable:
-            units.append(Unit("segment", i, closure(model, [i], kept)))
+            units.extend(_segment_units(model, i, kept, inner))
         else:
             units.append(Unit("pass", i, (i,)))
     return units
+
+
+def _segment_units(model: GraphModel, anchor: int, kept: Set[int], inner: Inner) -> List[Unit]:
+    inside = tuple(sorted(inner.get(anchor, ())))
+    if not inside:
+        return [Unit("segment", anchor, closure(model, [anchor], kept))]
+    deeper = kept | set(inside)
+    units = [Unit("advance", anchor, closure(model, inside, kept)),
+             Unit("segment", anchor, closure(model, [anchor], deeper))]
+    for sub in reversed(inside):
+        units.extend(_segment_units(model, sub, deeper, inner))
+    return units
+
+
+def validate_inner(model: GraphModel, kept: Set[int], inner: Inner) -> None:
+    """Raise ValueError unless every inner checkpoint lies inside its anchor's
+    segment, is copyable and has an output gradients flow through."""
+    def check(anchor: int, context: Set[int]):
+        inside = inner.get(anchor, ())
+        if not inside:
+            return
+        segment = set(closure(model, [anchor], context))
+        for i in inside:
+            op = model.ops[i]
+            if i == anchor or i not in segment:
+                raise ValueError(f"inner checkpoint {op.name} is not inside the segment of {model.ops[anchor].name}")
+            if not op.copyable or not any(model.tensors[t].trainable for t in op.outputs):
+                raise ValueError(f"inner checkpoint {op.name} cannot be recomputed or carries no gradient")
+        deeper = context | set(inside)
+        for sub in inside:
+            check(sub, deeper)
+
+    unknown = set(inner) - set().union(kept, *[set(v) for v in inner.values()])
+    if unknown:
+        raise ValueError(f"inner checkpoints given for ops that anchor no segment: {sorted(unknown)}")
+    for i in kept:
+        if model.ops[i].copyable:
+            check(i, kept)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from memsaving.graph import GraphModel
-from memsaving.schedule import Unit, backward_units, kept_set
+from memsaving.schedule import Inner, Unit, backward_units, kept_set
 
 Key = Tuple
 
@@ -65,6 +65,7 @@ def simulate(
     checkpoint_ops: Iterable[int] = (),
     keep_x_gradients: bool = False,
     kept: Optional[Set[int]] = None,
+    inner: Optional[Inner] = None,
 ) -> Simulation:
     """Replay the gradient computation that keeps ``checkpoint_ops``.
 
@@ -77,15 +78,17 @@ def simulate(
         the end (returned to the caller); False when each is consumed as soon
         as it is made (e.g. applied or reduced).
       kept: the full kept set, when already computed.
+      inner: multi-level plans (:data:`memsaving.schedule.Inner`): inner
+        checkpoints recomputed at the start of a segment's backward.
     """
     if kept is None:
         kept = kept_set(model, checkpoint_ops)
-    units = backward_units(model, kept)
+    units = backward_units(model, kept, inner)
     actions = _actions(model, kept, units)
     pinned = {("g", x) for x in model.xs} if keep_x_gradients else set()
     timeline, peak = _replay(actions, pinned)
     forward_cost = sum(op.cost for op in model.ops)
-    recompute = sum(a.cost for a in actions if a.label.startswith("recompute "))
+    recompute = sum(a.cost for a in actions if a.label.startswith(("recompute ", "advance ")))
     backward = BACKWARD_COST_FACTOR * sum(op.cost for op in model.ops if op.forward)
     return Simulation(
         peak_bytes=model.resident_bytes + peak,
@@ -129,6 +132,11 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> List[Actio
             add_gradient(y, [], seed_writes)
     actions.append(Action("seed gradients", [], seed_writes))
 
+    sources: Dict[int, Key] = {}  # inner checkpoints rebuilt by advance units
+
+    def source(t: int, local: Dict[int, Key]) -> Key:
+        return local.get(t) or sources.get(t) or ("f", t)
+
     def differentiate(i: int, local: Dict[int, Key], label: str):
         op = model.ops[i]
         reads: List[Key] = []
@@ -138,7 +146,7 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> List[Actio
         if not reads:
             return
         for t in op.grad_reads:
-            reads.append(local.get(t, ("f", t)))
+            reads.append(source(t, local))
         writes: List[Tuple[Key, int]] = []
         for t in op.inputs:
             info = tensors[t]
@@ -150,17 +158,22 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> List[Actio
 
     for unit in units:
         local: Dict[int, Key] = {}
-        if unit.kind == "segment":
+        if unit.kind in ("segment", "advance"):
+            tag = "c" if unit.kind == "segment" else "a"
+            label = "recompute" if unit.kind == "segment" else "advance"
             for i in unit.ops:
                 op = model.ops[i]
-                reads = [local.get(t, ("f", t)) for t in op.inputs if tensors[t].producer >= 0]
+                reads = [source(t, local) for t in op.inputs if tensors[t].producer >= 0]
                 # the copies wait on the anchor's output gradient
                 reads += [grad_key(t) for t in model.ops[unit.anchor].outputs if t in grad_version]
                 writes = []
                 for t in op.outputs:
-                    local[t] = ("c", unit.anchor, t)
+                    local[t] = (tag, unit.anchor, t)
                     writes.append((local[t], tensors[t].nbytes))
-                actions.append(Action(f"recompute {op.name}", reads, writes, op.cost))
+                actions.append(Action(f"{label} {op.name}", reads, writes, op.cost))
+        if unit.kind == "advance":
+            sources.update(local)
+            continue
         for i in reversed(unit.ops):
             differentiate(i, local, "backward")
     return actions

@@ -14,32 +14,47 @@ def dense(g):
     return g
 
 
-def both_gradients(model, x, params, checkpoints):
-    """Plain and memsaving gradients of the same forward graph (same random draws)."""
+def smallest_budget(loss, xs, **kwargs) -> int:
+    """The smallest budget memsaving finds feasible (from its BudgetError)."""
+    try:
+        memsaving.plan(loss, xs, budget=1, **kwargs)
+    except memsaving.BudgetError as error:
+        return error.smallest_budget
+    raise AssertionError("a budget of 1 byte cannot fit")
+
+
+def both_gradients(model, x, params, checkpoints, budget=None):
+    """Plain and memsaving gradients of the same forward graph (same random draws).
+
+    ``budget="smallest"`` plans for the smallest feasible budget (usually a
+    multi-level plan)."""
     loss, cps = model.forward(x, params)
     chosen = cps if checkpoints == "model" else checkpoints
     xs = list(params) + [x]
     plain = tf.gradients(loss, xs)
-    ours = memsaving.gradients(loss, xs, checkpoints=chosen)
+    if budget == "smallest":
+        chosen = "memory"
+        budget = smallest_budget(loss, xs)
+    ours = memsaving.gradients(loss, xs, checkpoints=chosen, budget=budget)
     kinds = [(type(a).__name__, type(b).__name__) for a, b in zip(plain, ours)]
     return [dense(g) for g in plain], [dense(g) for g in ours], kinds
 
 
-def run_tf_function(model, checkpoints="model", seed=0):
+def run_tf_function(model, checkpoints="model", seed=0, budget=None):
     rng = np.random.default_rng(seed)
     params = [tf.Variable(rng.standard_normal(s).astype(np.float32) * 0.5) for s in model.param_shapes()]
     x = tf.constant(model.make_input(rng))
 
     @tf.function
     def step(x):
-        plain, ours, _ = both_gradients(model, x, params, checkpoints)
+        plain, ours, _ = both_gradients(model, x, params, checkpoints, budget)
         return plain, ours
 
     kinds = []
 
     @tf.function
     def kinds_probe(x):
-        kinds.extend(both_gradients(model, x, params, checkpoints)[2])
+        kinds.extend(both_gradients(model, x, params, checkpoints, budget)[2])
         return tf.constant(0)
 
     kinds_probe.get_concrete_function(x)
@@ -47,7 +62,7 @@ def run_tf_function(model, checkpoints="model", seed=0):
     return [None if g is None else g.numpy() for g in plain], [None if g is None else g.numpy() for g in ours], kinds
 
 
-def run_session(model, checkpoints="model", seed=0):
+def run_session(model, checkpoints="model", seed=0, budget=None):
     rng = np.random.default_rng(seed)
     graph = tf.Graph()
     with graph.as_default():
@@ -56,7 +71,7 @@ def run_session(model, checkpoints="model", seed=0):
             for s in model.param_shapes()
         ]
         x = tf.compat.v1.placeholder(tf.float32, shape=model.make_input(rng).shape)
-        plain, ours, kinds = both_gradients(model, x, params, checkpoints)
+        plain, ours, kinds = both_gradients(model, x, params, checkpoints, budget)
         fetch_plain = [g for g in plain if g is not None]
         fetch_ours = [g for g in ours if g is not None]
         assert len(fetch_plain) == len(fetch_ours)

@@ -71,3 +71,20 @@ def test_parameter_ops_are_not_activations():
     model = GraphModel(ops, tensors, xs=[0, 1], ys=[out])
     assert candidates.parameter_ops(model) == {4}
     assert candidates.articulation(model) == [1, 2, 3]
+
+
+def test_random_data_made_from_constants_is_not_a_parameter():
+    """A stateful op (a random or dataset input) reading only constants makes
+    data: the network after it must still get candidates."""
+    tensors = {0: TensorInfo("shape", 8, constant=True, trainable=False), 1: TensorInfo("w", 8, constant=True)}
+    ops = [OpInfo("random", "RandomStandardNormal", (0,), (2,), copyable=False)]
+    tensors[2] = TensorInfo("x", 64, 0)
+    prev = 2
+    for d in range(6):
+        out = len(tensors)
+        tensors[out] = TensorInfo(f"h{d}", 64, len(ops))
+        ops.append(OpInfo(f"matmul{d}", "MatMul", (prev, 1), (out,), grad_reads=(prev, 1)))
+        prev = out
+    model = GraphModel(ops, tensors, xs=[1], ys=[prev])
+    assert 0 not in candidates.parameter_ops(model)
+    assert candidates.memory_candidates(model), "the layers after the random input are candidates"

@@ -35,3 +35,16 @@ def test_named_modes_equal(model_cls, mode):
 def test_no_checkpoints_equals_plain():
     plain, ours, _ = run_tf_function(DeepMLP(), checkpoints=[])
     assert_close(plain, ours, rtol=0)
+
+
+@pytest.mark.parametrize("model_cls", ALL_MODELS, ids=lambda c: c.name)
+def test_equal_at_the_smallest_feasible_budget(model_cls):
+    """The tightest budget gives multi-level plans where the graph allows."""
+    plain, ours, _ = run_tf_function(model_cls(), budget="smallest")
+    assert_close(plain, ours)
+
+
+@pytest.mark.parametrize("model_cls", [DeepMLP, ResidualNet], ids=lambda c: c.name)
+def test_smallest_budget_equal_in_v1_session(model_cls):
+    plain, ours, _ = run_session(model_cls(), budget="smallest")
+    assert_close(plain, ours)

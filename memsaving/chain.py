@@ -1,0 +1,76 @@
+"""The chain of candidate cuts, summarised for the budget dynamic programs.
+
+Both the single-level DP (:mod:`memsaving.budget`) and the multi-level one
+(:mod:`memsaving.nested`) see the graph as a chain: candidate cuts ordered
+from the inputs to the outputs, with prefix sums over the ops between them
+(forward cost, bytes their gradients read, largest tensor) from which the
+surrogate memory and recomputation of any stretch between two cuts is read
+in constant time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence, Union
+
+import numpy as np
+
+from memsaving.graph import GraphModel
+
+
+@dataclass
+class Chain:
+    positions: List[int]  # op index of each candidate, plus start (-1) and end (n)
+    kept: np.ndarray  # bytes kept by each candidate
+    cost_prefix: np.ndarray  # cumulative forward cost by op position
+    reads_prefix: np.ndarray  # cumulative grad-read bytes by op position
+    largest: np.ndarray  # largest tensor per op position (gradient buffers)
+
+    @property
+    def size(self) -> int:
+        """Number of candidate cuts."""
+        return len(self.positions) - 2
+
+    def _span(self, a: int, b: int) -> tuple:
+        lo = self.positions[a] + 1
+        hi = self.positions[b] if b <= self.size else len(self.largest) - 1
+        return lo, hi
+
+    def memory(self, a: int, b: int) -> float:
+        """Surrogate bytes of backpropagating the stretch after cut ``a`` up
+        to cut ``b`` (``b = size + 1``: the end): the forward tensors its
+        gradients read plus two of its largest tensors (gradient buffers).
+        Cut 0 is the start (the inputs)."""
+        lo, hi = self._span(a, b)
+        reads = self.reads_prefix[hi + 1] - self.reads_prefix[lo]
+        return float(reads + 2 * (self.largest[lo:hi + 1].max() if hi >= lo else 0.0))
+
+    def cost(self, a: int, b: int) -> float:
+        """Forward cost of the ops after cut ``a`` up to cut ``b``."""
+        lo, hi = self._span(a, b)
+        return float(self.cost_prefix[hi + 1] - self.cost_prefix[lo])
+
+
+def as_cuts(candidates: Sequence[Union[int, Sequence[int]]]) -> List[List[int]]:
+    """Candidates as lists of op indices (a single op becomes a one-op cut)."""
+    return [[c] if isinstance(c, (int, np.integer)) else list(c) for c in candidates]
+
+
+def ops_of(cuts: Sequence[Sequence[int]], chosen: Sequence[int]) -> List[int]:
+    """The op indices of the chosen cuts."""
+    return sorted({i for k in chosen for i in cuts[k]})
+
+
+def chain(model: GraphModel, cuts: Sequence[Sequence[int]]) -> Chain:
+    n = len(model.ops)
+    cost = np.zeros(n + 1)
+    reads = np.zeros(n + 1)
+    largest = np.zeros(n)
+    for i, op in enumerate(model.ops):
+        fwd = op.forward
+        cost[i + 1] = cost[i] + (op.cost if fwd else 0.0)
+        reads[i + 1] = reads[i] + (sum(model.tensors[t].nbytes for t in op.grad_reads) if fwd else 0)
+        largest[i] = max([model.tensors[t].nbytes for t in op.outputs] + [0]) if fwd else 0
+    kept = np.array([sum(model.tensors[t].nbytes for i in cut for t in model.ops[i].outputs) for cut in cuts],
+                    dtype=float)
+    return Chain([-1] + [max(cut) for cut in cuts] + [n], kept, cost, reads, largest)

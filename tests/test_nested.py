@@ -1,0 +1,88 @@
+"""Multi-level (recursive) checkpointing on the neutral model (no TensorFlow)."""
+
+import numpy as np
+import pytest
+
+from memsaving.budget import plan_for_budget, select_for_budget
+from memsaving.chain import chain
+from memsaving.errors import BudgetError
+from memsaving.graph import chain_model
+from memsaving.nested import nested_dp
+from memsaving.schedule import backward_units, kept_set, validate_inner
+from memsaving.simulate import simulate
+
+
+def _chain(n=40, seed=0, reads="both"):
+    rng = np.random.default_rng(seed)
+    return chain_model(list(rng.integers(100, 1000, n)), list(rng.uniform(1, 10, n)), grad_reads=reads)
+
+
+def test_units_of_a_two_level_segment():
+    model = chain_model([10] * 10)
+    units = backward_units(model, {8}, {8: (3, 5)})
+    assert [(u.kind, u.anchor) for u in units] == [
+        ("output", -1), ("advance", 8), ("segment", 8), ("segment", 5), ("segment", 3)]
+    assert units[1].ops == tuple(range(0, 6)), "the advance recomputes up to the last inner checkpoint"
+    assert units[2].ops == (6, 7, 8)
+    assert units[3].ops == (4, 5)
+    assert units[4].ops == (0, 1, 2, 3)
+
+
+def test_inner_checkpoints_must_lie_inside_their_segment():
+    model = chain_model([10] * 10)
+    kept = kept_set(model, [4, 8])
+    validate_inner(model, kept, {8: (6,)})
+    with pytest.raises(ValueError, match="not inside"):
+        validate_inner(model, kept, {8: (2,)})
+    with pytest.raises(ValueError, match="anchor no segment"):
+        validate_inner(model, kept, {7: (6,)})
+
+
+def test_recursion_lowers_the_simulated_peak_for_more_compute():
+    model = _chain()
+    flat = simulate(model, [9, 19, 29])
+    nested = simulate(model, [9, 19, 29], inner={19: (12, 15), 29: (22, 25), 9: (3, 6)})
+    assert nested.peak_bytes < flat.peak_bytes
+    assert nested.recompute_cost > flat.recompute_cost
+
+
+def test_dp_without_memory_pressure_recomputes_nothing_but_the_cheapest():
+    summary = chain(_chain(), [[i] for i in range(39)])
+    level_one, inner, cost = nested_dp(summary, 1e12)
+    assert level_one == [] and inner == {} and cost == 0.0, "everything fits: no recomputation"
+
+
+def test_budget_below_every_single_level_plan_gets_a_multilevel_plan():
+    model = _chain(100, seed=1)
+    candidates = list(range(99))
+    plain = simulate(model).peak_bytes
+    # the single-level search alone cannot fit this budget ...
+    budget = int(0.12 * plain)
+    with pytest.raises(BudgetError):
+        select_for_budget(model, candidates, budget)
+    # ... a recursive plan can, and the simulator confirms it
+    chosen = plan_for_budget(model, candidates, budget)
+    assert chosen.inner, "expected inner checkpoints"
+    sim = simulate(model, chosen.checkpoint_ops, inner=chosen.inner)
+    assert sim.peak_bytes == chosen.peak <= budget
+    single = plan_for_budget(model, candidates, int(0.3 * plain))
+    assert chosen.recompute_cost > single.recompute_cost
+
+
+def test_reported_smallest_budget_is_feasible():
+    model = _chain(60, seed=2)
+    with pytest.raises(BudgetError) as info:
+        plan_for_budget(model, list(range(59)), 10)
+    floor = info.value.smallest_budget
+    assert floor is not None and floor < simulate(model).peak_bytes
+    assert plan_for_budget(model, list(range(59)), floor).peak <= floor
+
+
+def test_multilevel_is_never_worse_than_single_level():
+    model = _chain(50, seed=3, reads="input")
+    plain = simulate(model).peak_bytes
+    for fraction in (0.3, 0.5, 0.8):
+        budget = int(fraction * plain)
+        both = plan_for_budget(model, list(range(49)), budget)
+        single = plan_for_budget(model, list(range(49)), budget, multilevel=False)
+        assert both.recompute_cost <= single.recompute_cost
