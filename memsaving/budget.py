@@ -73,34 +73,25 @@ def _surrogate_dp(chain: Chain, budget: float, buckets: int = 256) -> Optional[L
     kept_units = np.ceil(chain.kept / scale).astype(int) if m else np.zeros(0, int)
     size = int(kept_units.sum()) + 1
     inf = np.inf
-    best = [np.full(size, inf) for _ in range(m + 2)]
-    parent = [np.full(size, -1, dtype=int) for _ in range(m + 2)]
-    best[0][0] = 0.0
+    best = np.full((m + 2, size), inf)
+    parent = np.full((m + 2, size), -1, dtype=int)
+    best[0, 0] = 0.0
+    columns = np.arange(size)
     for b in range(1, m + 2):
         last = b == m + 1
-        for a in range(0, b):
-            if not np.isfinite(best[a]).any():
-                continue
-            memory = chain.memory(a, b)
-            recompute = 0.0 if last else chain.cost(a, b)
-            allowed = int(np.floor((budget - memory) / scale))
-            if allowed < 0:
-                continue
-            src = best[a][: min(allowed + 1, size)]
-            if last:
-                candidate = src + recompute
-                shift = 0
-            else:
-                shift = kept_units[b - 1]
-                candidate = src + recompute
-            width = min(len(candidate), size - shift)
-            if width <= 0:
-                continue
-            target = best[b][shift: shift + width]
-            better = candidate[:width] < target
-            if better.any():
-                target[better] = candidate[:width][better]
-                parent[b][shift: shift + width][better] = a
+        # from every earlier cut a at once: state j (kept units so far) must
+        # leave room for the stretch (a, b]
+        allowed = np.floor((budget - chain.memory_to(b)) / scale)
+        recompute = np.zeros(b) if last else chain.cost_to(b)
+        candidate = np.where(columns[None, :] <= allowed[:, None], best[:b] + recompute[:, None], inf)
+        origin = np.argmin(candidate, axis=0)
+        value = candidate[origin, columns]
+        shift = 0 if last else int(kept_units[b - 1])
+        width = size - shift
+        if width <= 0:
+            continue
+        best[b, shift:] = value[:width]
+        parent[b, shift:] = np.where(np.isfinite(value[:width]), origin[:width], -1)
     final = best[m + 1]
     if not np.isfinite(final).any():
         return None

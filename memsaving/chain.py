@@ -45,6 +45,24 @@ class Chain:
         reads = self.reads_prefix[hi + 1] - self.reads_prefix[lo]
         return float(reads + 2 * (self.largest[lo:hi + 1].max() if hi >= lo else 0.0))
 
+    def memory_to(self, b: int) -> np.ndarray:
+        """``memory(a, b)`` for every ``a < b`` at once (vectorised DPs)."""
+        starts = np.array(self.positions[:b]) + 1
+        _, hi = self._span(0, b)
+        reads = self.reads_prefix[hi + 1] - self.reads_prefix[starts]
+        if hi < 0:
+            return reads
+        # largest tensor from each start to hi: a running max from the right
+        suffix_max = np.maximum.accumulate(self.largest[: hi + 1][::-1])[::-1]
+        largest = np.where(starts <= hi, suffix_max[np.minimum(starts, hi)], 0.0)
+        return reads + 2 * largest
+
+    def cost_to(self, b: int) -> np.ndarray:
+        """``cost(a, b)`` for every ``a < b`` at once."""
+        starts = np.array(self.positions[:b]) + 1
+        _, hi = self._span(0, b)
+        return self.cost_prefix[hi + 1] - self.cost_prefix[starts]
+
     def cost(self, a: int, b: int) -> float:
         """Forward cost of the ops after cut ``a`` up to cut ``b``."""
         lo, hi = self._span(a, b)
