@@ -16,7 +16,9 @@ setup(
     extras_require={
         "cpu": ["tensorflow-cpu==2.21.0"],
         "gpu": ["tensorflow[and-cuda]==2.21.0"],
-        "test": ["pytest>=8", "hypothesis>=6.100", "scipy>=1.10"],
+        "plot": ["matplotlib>=3.7"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "scipy>=1.10", "matplotlib>=3.7",
+                 "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6.25"],
     },
     entry_points={"console_scripts": ["memsaving=memsaving.cli:main"]},
 )

@@ -26,6 +26,7 @@ from memsaving.errors import (  # noqa: E402
 from memsaving.marking import checkpoint, CHECKPOINTS_COLLECTION  # noqa: E402
 from memsaving.gradients import (  # noqa: E402
     gradients,
+    gradients_and_plan,
     gradients_collection,
     gradients_memory,
     gradients_speed,
@@ -35,6 +36,19 @@ from memsaving.planning import Plan  # noqa: E402
 from memsaving.measure import measure_peak, measure_peak_increase  # noqa: E402
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    """``memsaving.keras``, ``memsaving.timeline`` and ``memsaving.plot_timeline``
+    load on first use (Keras and matplotlib cost seconds to import)."""
+    import importlib
+
+    if name == "keras":
+        return importlib.import_module("memsaving.keras")
+    if name in ("timeline", "plot_timeline", "Timeline"):
+        return getattr(importlib.import_module("memsaving.memory_timeline"), name)
+    raise AttributeError(f"module 'memsaving' has no attribute {name!r}")
+
 
 __all__ = [
     "BudgetError",
@@ -46,6 +60,7 @@ __all__ = [
     "UnsupportedGraphError",
     "checkpoint",
     "gradients",
+    "gradients_and_plan",
     "gradients_collection",
     "gradients_memory",
     "gradients_speed",

@@ -7,6 +7,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from memsaving.errors import MemsavingError
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="memsaving", description="Gradient checkpointing for TensorFlow 2.")
@@ -17,8 +19,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     demo.add_argument("--width", type=int, default=256, help="units per layer (default 256)")
     demo.add_argument("--checkpoints", default="memory", choices=["memory", "speed"],
                       help="how checkpoints are chosen (default memory: about sqrt(n) separators)")
+    plan = commands.add_parser("plan", help="print the plan memsaving would run for a Keras model's training step")
+    plan.add_argument("model", help="a saved Keras model (.keras/.h5) or a built-in name: "
+                                    "mlp, resnet50, vgg16, mobilenet, unet, transformer")
+    plan.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
+    plan.add_argument("--size", type=int, default=64,
+                      help="image size, or sequence length for transformer, of built-in models (default 64)")
+    plan.add_argument("--checkpoints", default="memory", choices=["memory", "speed"],
+                      help="how checkpoints are chosen (default memory)")
+    plan.add_argument("--budget", default=None, help="a memory budget such as 2GiB or 512MB (default: none)")
+    plan.add_argument("--swap", default="off", choices=["off", "auto"],
+                      help="host-memory swapping (not available yet: off)")
+    plan.add_argument("--plot", default=None, metavar="OUT.png", help="also draw the predicted memory timelines")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.command == "plan":
+        if args.batch < 1 or args.size < 1:
+            parser.error("--batch and --size must be at least 1")
+        from memsaving.plan_command import run
+
+        try:
+            run(args.model, args.batch, args.size, args.checkpoints, args.budget, args.swap, args.plot)
+        except MemsavingError as error:
+            print(f"memsaving plan: {error}", file=sys.stderr)
+            return 1
+        return 0
     if args.command == "demo":
         for name in ("depth", "batch", "width"):
             if getattr(args, name) < 1:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 from tensorflow.python.framework import indexed_slices
@@ -118,6 +118,18 @@ def gradients(
       memsaving.BudgetError: no plan fits ``budget`` (says the smallest that does).
       memsaving.UnsupportedGraphError: TF1-style control flow in the graph.
     """
+    return gradients_and_plan(ys, xs, grad_ys, checkpoints, budget, **kwargs)[0]
+
+
+@_do_not_convert
+def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collection", budget=None,
+                       probe: Optional[Callable] = None, **kwargs) -> Tuple[list, Plan]:
+    """:func:`gradients` and the :class:`Plan` it executed (planned once).
+
+    ``probe(label, tensors)``, when given, is called after each backward
+    unit is built, with the unit's results (used by
+    :mod:`memsaving.memory_timeline` to read the allocator between units).
+    """
     if tf.executing_eagerly():
         raise RuntimeError(
             "memsaving.gradients is not supported when eager execution is enabled: it "
@@ -167,7 +179,7 @@ def gradients(
         kept |= {by_name[n] for names in plan_.inner_checkpoints.values() for n in names}
         steps = [(kind, by_name[anchor] if anchor else None, [by_name[n] for n in names])
                  for kind, anchor, names in plan_.steps]
-        builder = BackwardBuilder(fwd, kept, steps, gradients_fn, passed)
+        builder = BackwardBuilder(fwd, kept, steps, gradients_fn, passed, probe=probe)
         result = builder.build(ys, grad_ys, xs, unconnected == tf.UnconnectedGradients.ZERO)
     logger.info(
         "memsaving.gradients: %d forward ops, %d checkpoints, %d segments, %d ops recomputed; "
@@ -175,7 +187,7 @@ def gradients(
         len(fwd.ops), len(plan_.checkpoints), builder.segments, builder.recomputed_ops,
         plan_.predicted_peak / 2**20, plan_.plain_peak / 2**20,
     )
-    return result
+    return result, plan_
 
 
 def _graph_tensors(ys: list, xs: list):

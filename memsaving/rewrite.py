@@ -73,6 +73,7 @@ class BackwardBuilder:
         steps: List[Tuple[str, Optional[tf.Operation], List[tf.Operation]]],
         gradients_fn: GradientsFn,
         gradient_kwargs: dict,
+        probe: Optional[Callable[[str, list], object]] = None,
     ):
         """``kept`` and ``steps`` come from the plan (memsaving.planning):
         ``kept`` holds every op whose outputs are checkpoints (inner ones
@@ -86,6 +87,7 @@ class BackwardBuilder:
         self.sources = object_identity.ObjectIdentityDictionary()
         self.gradients_fn = gradients_fn
         self.gradient_kwargs = gradient_kwargs
+        self.probe = probe
         self.grads = _Accumulator()
         self.recomputed_ops = 0
         self.segments = 0
@@ -239,16 +241,28 @@ class BackwardBuilder:
             self.grads.add(t, g)
         self.previous_results = [g for g in results if g is not None]
 
+    def _probe(self, label: str) -> None:
+        """Let the probe observe the unit just built.
+
+        Nothing waits on the probe, so the schedule stays that of an
+        unprobed run (a probe may run a little after the next unit starts;
+        the peaks it reads still partition the step)."""
+        if self.probe is not None:
+            self.probe(label, list(self.previous_results))
+
     # -- driver -------------------------------------------------------------
     def build(self, ys, grad_ys, xs, unconnected_zero: bool) -> list:
         output_ops = [ops for kind, _, ops in self.steps if kind == "output"]
         # always first: it also seeds the gradients of ys that are kept
         self.output_unit(ys, grad_ys, output_ops[0] if output_ops else [])
+        self._probe("output")
         for kind, op, ops in self.steps:
             if kind == "advance":
                 self.advance(op, ops)
             elif kind != "output":
                 self.unit(op, ops)
+            if kind != "output":
+                self._probe(f"{kind} {op.name}")
         results = []
         for x in xs:
             g = self.grads.total(x)

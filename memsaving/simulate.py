@@ -47,6 +47,9 @@ class Simulation:
     backward_cost: float
     timeline: List[int] = field(repr=False, default_factory=list)
     labels: List[str] = field(repr=False, default_factory=list)
+    unit_ends: List[int] = field(repr=False, default_factory=list)
+    """Index in ``timeline`` of the last action of the forward pass plus
+    output unit, then of each later backward unit (advance units included)."""
 
     @property
     def compute_ratio(self) -> float:
@@ -84,7 +87,7 @@ def simulate(
     if kept is None:
         kept = kept_set(model, checkpoint_ops)
     units = backward_units(model, kept, inner)
-    actions = _actions(model, kept, units)
+    actions, unit_ends = _actions(model, kept, units)
     pinned = {("g", x) for x in model.xs} if keep_x_gradients else set()
     timeline, peak = _replay(actions, pinned)
     forward_cost = sum(op.cost for op in model.ops)
@@ -97,10 +100,11 @@ def simulate(
         backward_cost=backward,
         timeline=timeline,
         labels=[a.label for a in actions],
+        unit_ends=unit_ends,
     )
 
 
-def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> List[Action]:
+def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List[Action], List[int]]:
     tensors = model.tensors
     xs = set(model.xs)
     actions: List[Action] = []
@@ -133,6 +137,7 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> List[Actio
     actions.append(Action("seed gradients", [], seed_writes))
 
     sources: Dict[int, Key] = {}  # inner checkpoints rebuilt by advance units
+    unit_ends: List[int] = []
 
     def source(t: int, local: Dict[int, Key]) -> Key:
         return local.get(t) or sources.get(t) or ("f", t)
@@ -173,10 +178,13 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> List[Actio
                 actions.append(Action(f"{label} {op.name}", reads, writes, op.cost))
         if unit.kind == "advance":
             sources.update(local)
-            continue
-        for i in reversed(unit.ops):
-            differentiate(i, local, "backward")
-    return actions
+        else:
+            for i in reversed(unit.ops):
+                differentiate(i, local, "backward")
+        unit_ends.append(len(actions) - 1)
+    if not units or units[0].kind != "output":
+        unit_ends.insert(0, len(model.ops))  # the seed: the forward pass ends there
+    return actions, unit_ends
 
 
 def _replay(actions: List[Action], pinned: Set[Key]) -> Tuple[List[int], int]:
