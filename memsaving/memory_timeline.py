@@ -147,7 +147,7 @@ def plot_timeline(timelines: Dict[str, Timeline], path: Optional[str] = None, ti
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(9, 4.5))
+    figure, axes = plt.subplots(figsize=(12, 4.8))
     mib = 2 ** 20
     for index, (name, line) in enumerate(timelines.items()):
         color = f"C{index}"
@@ -166,7 +166,7 @@ def plot_timeline(timelines: Dict[str, Timeline], path: Optional[str] = None, ti
     axes.set_xlabel("progress through the step (forward, then backward)")
     axes.set_ylabel("memory above resident (MiB)")
     axes.set_title(title or "memory during one gradient computation")
-    axes.legend(fontsize=8)
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
     if path is not None:
         figure.savefig(path, dpi=110)
