@@ -22,7 +22,7 @@ from memsaving.simulate import Simulation, simulate
 class Segment:
     """One backward unit of the plan."""
 
-    kind: str  # "output", "segment", "advance" (multi-level) or "pass"
+    kind: str  # "output", "segment", "advance" (multi-level), "inplace" or "pass"
     anchor: str  # the kept op that starts it ("" for the output unit)
     ops: int  # ops differentiated (and recomputed, for "segment"; only recomputed, for "advance")
     kept_bytes: int  # bytes of the anchor's outputs kept from the forward pass

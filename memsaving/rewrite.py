@@ -16,7 +16,8 @@ outputs back to the inputs:
   gradients, which the executor would otherwise defer), and their memory is
   freed right after.  ``tf.gradients`` is then called on the copies alone.
 * one **pass-through unit** per non-copyable kept op (stateful ops, control
-  flow): the original op is differentiated directly.
+  flow), and per kept op whose inputs are all kept (nothing to recompute):
+  the original op is differentiated directly.
 * for multi-level plans, an **advance** unit before a segment: the ops up to
   the segment's inner checkpoints are copied (after the segment's output
   gradients exist) and not differentiated; the sub-segments that follow read
@@ -259,6 +260,10 @@ class BackwardBuilder:
         for kind, op, ops in self.steps:
             if kind == "advance":
                 self.advance(op, ops)
+            elif kind == "inplace":
+                outs, out_grads = self._output_gradients(op)
+                if outs:
+                    self._pass_through(op, outs, out_grads)
             elif kind != "output":
                 self.unit(op, ops)
             if kind != "output":

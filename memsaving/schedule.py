@@ -22,7 +22,8 @@ class Unit:
     be copied, differentiated in place) or ``"advance"`` (multi-level
     recomputation: ``ops`` are recomputed, not differentiated, to rebuild the
     inner checkpoints of ``anchor``'s segment; the units that follow read
-    those copies).
+    those copies) or ``"inplace"`` (a kept op whose inputs are all kept:
+    differentiated where it is, nothing recomputed).
     """
 
     kind: str
@@ -66,7 +67,8 @@ Inner = Dict[int, Tuple[int, ...]]
 recomputes first and holds while the sub-segments after them are processed."""
 
 
-def backward_units(model: GraphModel, kept: Set[int], inner: Optional[Inner] = None) -> List[Unit]:
+def backward_units(model: GraphModel, kept: Set[int], inner: Optional[Inner] = None,
+                   inplace: bool = False) -> List[Unit]:
     """The units in the order the backward pass runs them.
 
     With ``inner``, the segment of anchor ``a`` becomes: an ``advance`` unit
@@ -74,6 +76,10 @@ def backward_units(model: GraphModel, kept: Set[int], inner: Optional[Inner] = N
     ``a``, ``inner[a][-1]``, ..., ``inner[a][0]`` (each possibly with inner
     checkpoints of its own), whose closures stop at the inner checkpoints:
     Revolve-style recursive checkpointing.
+
+    With ``inplace``, a kept op whose inputs are all kept is differentiated
+    where it is (reading its kept outputs) instead of recomputed; swap plans
+    use it, so that keeping and swapping every tensor recomputes nothing.
     """
     inner = inner or {}
     xs = set(model.xs)
@@ -89,16 +95,22 @@ def backward_units(model: GraphModel, kept: Set[int], inner: Optional[Inner] = N
     for i in sorted(kept, reverse=True):
         op = model.ops[i]
         if op.copyable:
-            units.extend(_segment_units(model, i, kept, inner))
+            units.extend(_segment_units(model, i, kept, inner, inplace))
         else:
             units.append(Unit("pass", i, (i,)))
     return units
 
 
-def _segment_units(model: GraphModel, anchor: int, kept: Set[int], inner: Inner) -> List[Unit]:
+def _segment_units(model: GraphModel, anchor: int, kept: Set[int], inner: Inner,
+                   inplace: bool = False) -> List[Unit]:
     inside = tuple(sorted(inner.get(anchor, ())))
     if not inside:
-        return [Unit("segment", anchor, closure(model, [anchor], kept))]
+        ops = closure(model, [anchor], kept)
+        if inplace and ops == (anchor,):
+            # every input is kept: differentiate the op where it is, reading
+            # its kept outputs, rather than recompute them
+            return [Unit("inplace", anchor, ops)]
+        return [Unit("segment", anchor, ops)]
     deeper = kept | set(inside)
     units = [Unit("advance", anchor, closure(model, inside, kept)),
              Unit("segment", anchor, closure(model, [anchor], deeper))]

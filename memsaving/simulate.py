@@ -16,6 +16,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from memsaving.graph import GraphModel
 from memsaving.schedule import Inner, Unit, backward_units, kept_set
+from memsaving.swap import CostModel, add_swaps, timed_replay
 
 Key = Tuple
 
@@ -27,7 +28,8 @@ class Action:
     label: str
     reads: List[Key]
     writes: List[Tuple[Key, int]]
-    cost: float = 0.0
+    cost: float = 0.0  # FLOPs for compute actions, bytes for transfers
+    stream: str = "compute"  # or "d2h" / "h2d" (swap-out / swap-in)
 
 
 @dataclass
@@ -50,6 +52,11 @@ class Simulation:
     unit_ends: List[int] = field(repr=False, default_factory=list)
     """Index in ``timeline`` of the last action of the forward pass plus
     output unit, then of each later backward unit (advance units included)."""
+    step_seconds: Optional[float] = None
+    """Predicted step time under the cost model (when one was given)."""
+    swapped_bytes: int = 0
+    """Bytes copied to the host and back (each swapped tensor once out, and
+    once in per swap-in)."""
 
     @property
     def compute_ratio(self) -> float:
@@ -69,6 +76,8 @@ def simulate(
     keep_x_gradients: bool = False,
     kept: Optional[Set[int]] = None,
     inner: Optional[Inner] = None,
+    swapped: Iterable[int] = (),
+    cost: Optional[CostModel] = None,
 ) -> Simulation:
     """Replay the gradient computation that keeps ``checkpoint_ops``.
 
@@ -83,13 +92,27 @@ def simulate(
       kept: the full kept set, when already computed.
       inner: multi-level plans (:data:`memsaving.schedule.Inner`): inner
         checkpoints recomputed at the start of a segment's backward.
+      swapped: tensor ids copied to the host after the forward pass and back
+        before the backward pass reads them (:mod:`memsaving.swap`).
+      cost: speeds of compute and transfers; with it (or with swaps) the
+        step is also timed on three streams, and the peak is the timed one.
     """
     if kept is None:
         kept = kept_set(model, checkpoint_ops)
-    units = backward_units(model, kept, inner)
+    swapped = set(swapped)
+    units = backward_units(model, kept, inner, inplace=bool(swapped))
     actions, unit_ends = _actions(model, kept, units)
     pinned = {("g", x) for x in model.xs} if keep_x_gradients else set()
+    step_seconds = None
+    if swapped or cost is not None:
+        cost = cost or CostModel()
+        if swapped:
+            actions = add_swaps(actions, model, swapped, len(model.ops), cost)
+            unit_ends = _shifted(unit_ends, actions)
+        step_seconds, _, _ = timed_replay(actions, cost, pinned)
     timeline, peak = _replay(actions, pinned)
+    if swapped:
+        peak = timed_replay(actions, cost, pinned)[1]
     forward_cost = sum(op.cost for op in model.ops)
     recompute = sum(a.cost for a in actions if a.label.startswith(("recompute ", "advance ")))
     backward = BACKWARD_COST_FACTOR * sum(op.cost for op in model.ops if op.forward)
@@ -101,7 +124,16 @@ def simulate(
         timeline=timeline,
         labels=[a.label for a in actions],
         unit_ends=unit_ends,
+        step_seconds=step_seconds,
+        swapped_bytes=int(sum(a.cost for a in actions if a.stream != "compute")),
     )
+
+
+def _shifted(unit_ends: List[int], actions: List[Action]) -> List[int]:
+    """Unit boundaries after swap actions were inserted: the same compute
+    actions, counted in the new list."""
+    positions = [i for i, a in enumerate(actions) if a.stream == "compute"]
+    return [positions[e] if e < len(positions) else len(actions) - 1 for e in unit_ends]
 
 
 def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List[Action], List[int]]:

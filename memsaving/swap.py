@@ -1,0 +1,156 @@
+"""Swapping tensors to host memory, on the neutral model (no TensorFlow).
+
+A swapped tensor is copied to the host right after its producer runs
+(*swap-out*), so its device buffer dies as soon as the forward pass is done
+with it, and copied back (*swap-in*) a little before the backward op that
+reads it.  Here the simulator's action list gets those copies inserted, and a
+timed replay puts every action on one of three streams (compute, device to
+host, host to device) to predict the step time and the peak memory when
+transfers overlap computation.
+
+Swap-ins are started by a *trigger*: the compute action ``lb`` actions
+before the first consumer (TFLMS's lower bound on the distance; this is the
+"direct order" strategy on the simulator's order).  Consumers of one tensor
+closer than ``fuse_distance`` actions share one swap-in; farther ones get
+their own, so a tensor is not held on the device across a long stretch of
+the backward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Sequence, Set, Tuple
+
+from memsaving.graph import GraphModel
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Speeds used to time a plan.
+
+    Attributes:
+      flops_per_second: sustained compute rate of the device (default
+        10 TFLOP/s, a mid-range GPU).
+      bandwidth: bytes per second each way between device and host (default
+        16 GB/s, PCIe 3 x16).
+      lb: a swap-in starts after the compute action ``lb`` actions before its
+        first consumer.
+      fuse_distance: consumers of a swapped tensor at most this many actions
+        apart share one swap-in.
+    """
+
+    flops_per_second: float = 10e12
+    bandwidth: float = 16e9
+    lb: int = 3
+    fuse_distance: int = 50
+
+
+def swappable(model: GraphModel, actions: Sequence, forward_end: int) -> List[int]:
+    """Forward tensors the backward part reads straight from the forward pass
+    (kept tensors: checkpoints, inputs of ops never recomputed): the ones a
+    swap can take off the device between the two passes."""
+    found: Set[int] = set()
+    for action in actions[forward_end + 1:]:
+        for key in action.reads:
+            if key[0] == "f" and model.tensors[key[1]].producer >= 0:
+                found.add(key[1])
+    return sorted(found)
+
+
+def add_swaps(actions: Sequence, model: GraphModel, swapped: Iterable[int], forward_end: int,
+              cost: CostModel) -> list:
+    """The action list with a swap-out after each swapped tensor's producer
+    and swap-ins before its backward consumers (see the module docstring)."""
+    from memsaving.simulate import Action  # pylint: disable=import-outside-toplevel
+
+    swapped = set(swapped)
+    after: Dict[int, list] = {}
+    before: Dict[int, list] = {}
+    renamed: Dict[Tuple[int, int], Tuple] = {}  # (action index, tensor) -> key it reads instead
+    for t in sorted(swapped):
+        info = model.tensors[t]
+        readers = [i for i in range(forward_end + 1, len(actions)) if ("f", t) in actions[i].reads]
+        if not readers:
+            continue
+        after.setdefault(info.producer, []).append(
+            Action(f"swap-out {info.name}", [("f", t)], [(("h", t), 0)], float(info.nbytes), stream="d2h"))
+        groups: List[List[int]] = [[readers[0]]]
+        for i in readers[1:]:
+            if i - groups[-1][-1] > cost.fuse_distance:
+                groups.append([i])
+            else:
+                groups[-1].append(i)
+        for k, group in enumerate(groups):
+            key = ("s", t, k)
+            at = max(group[0] - cost.lb, forward_end + 1)
+            before.setdefault(at, []).append(
+                Action(f"swap-in {info.name}", [("h", t)], [(key, info.nbytes)], float(info.nbytes), stream="h2d"))
+            for i in group:
+                renamed[i, t] = key
+    result = []
+    for i, action in enumerate(actions):
+        result.extend(before.get(i, ()))
+        if any((i, key[1]) in renamed for key in action.reads if key[0] == "f"):
+            reads = [renamed.get((i, key[1]), key) if key[0] == "f" else key for key in action.reads]
+            action = Action(action.label, reads, action.writes, action.cost, action.stream)
+        result.append(action)
+        result.extend(after.get(i, ()))
+    return result
+
+
+def timed_replay(actions: Sequence, cost: CostModel, pinned: Set = frozenset()) -> Tuple[float, int, List[float]]:
+    """``(step seconds, peak bytes, end time of each action)`` with three streams.
+
+    Compute actions run one after the other in list order (cost in FLOPs);
+    transfers run on their own stream in list order (cost in bytes), each
+    once its inputs exist; a swap-in also waits for the compute action
+    before it in the list (its trigger).  A buffer is allocated when its
+    writer starts and freed when its last reader ends.
+    """
+    ready: Dict = {}
+    free_at = {"compute": 0.0, "d2h": 0.0, "h2d": 0.0}
+    last_compute_end = 0.0
+    starts, ends = [], []
+    for action in actions:
+        after = max((ready.get(key, 0.0) for key in action.reads), default=0.0)
+        stream = action.stream
+        if stream == "compute":
+            duration = action.cost / cost.flops_per_second
+        else:
+            duration = action.cost / cost.bandwidth
+            if stream == "h2d":
+                after = max(after, last_compute_end)
+        start = max(free_at[stream], after)
+        end = start + duration
+        free_at[stream] = end
+        if stream == "compute":
+            last_compute_end = end
+        for key, _ in action.writes:
+            ready[key] = end
+        starts.append(start)
+        ends.append(end)
+    last_read_end: Dict = {}
+    for action, end in zip(actions, ends):
+        for key in action.reads:
+            last_read_end[key] = max(last_read_end.get(key, 0.0), end)
+    last_reader: Dict = {}
+    for i, action in enumerate(actions):
+        for key in action.reads:
+            last_reader[key] = i
+    # at equal times, an action's allocations come after the frees of the
+    # actions before it and before its own frees, as in the order replay
+    events = []
+    for i, (action, start, end) in enumerate(zip(actions, starts, ends)):
+        for key, nbytes in action.writes:
+            if nbytes <= 0:
+                continue
+            events.append((start, i, nbytes))
+            if key not in pinned:
+                reader = max(last_reader.get(key, i), i)
+                events.append((max(last_read_end.get(key, end), end), reader + 0.5, -nbytes))
+    events.sort()
+    peak = in_use = 0
+    for _, _, delta in events:
+        in_use += delta
+        peak = max(peak, in_use)
+    return max(ends, default=0.0), peak, ends
