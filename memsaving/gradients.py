@@ -24,6 +24,9 @@ from memsaving.extract import graph_model
 from memsaving.forward import forward_graph
 from memsaving.planning import Plan, make_plan
 from memsaving.rewrite import BackwardBuilder
+from memsaving.schedule import kept_set
+from memsaving.swap import CostModel, swap_candidates
+from memsaving.swap_rewrite import SwapOptions, insert_swaps
 
 logger = logging.getLogger("memsaving")
 
@@ -36,7 +39,10 @@ _do_not_convert = tf.autograph.experimental.do_not_convert
 TensorLike = Union[tf.Tensor, tf.Variable]
 
 _PASSED_THROUGH = ("gate_gradients", "aggregation_method", "colocate_gradients_with_ops")
-_ACCEPTED = frozenset(_PASSED_THROUGH + ("name", "stop_gradients", "unconnected_gradients", "batch_size"))
+_SWAP_KEYS = ("swap", "swap_device", "swap_trigger", "swap_lb", "swap_ub", "swap_fuse", "bandwidth",
+              "flops_per_second", "swap_backend")
+_ACCEPTED = frozenset(_PASSED_THROUGH + ("name", "stop_gradients", "unconnected_gradients", "batch_size")
+                      + _SWAP_KEYS)
 
 
 def _as_list(value) -> list:
@@ -180,7 +186,12 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
         steps = [(kind, by_name[anchor] if anchor else None, [by_name[n] for n in names])
                  for kind, anchor, names in plan_.steps]
         builder = BackwardBuilder(fwd, kept, steps, gradients_fn, passed, probe=probe)
+        created_before = len(graph.get_operations())
         result = builder.build(ys, grad_ys, xs, unconnected == tf.UnconnectedGradients.ZERO)
+        if plan_.swapped:
+            by_tensor = {t.name: t for op in fwd.ops for t in op.outputs}
+            insert_swaps(graph.get_operations()[created_before:], [by_tensor[n] for n in plan_.swapped],
+                         _swap_options(kwargs), kwargs.get("swap_backend"), forward=fwd.ops)
     logger.info(
         "memsaving.gradients: %d forward ops, %d checkpoints, %d segments, %d ops recomputed; "
         "predicted peak %.1f MiB (plain %.1f MiB)",
@@ -199,16 +210,62 @@ def _graph_tensors(ys: list, xs: list):
     return ys, xs
 
 
+def _swap_options(kwargs) -> SwapOptions:
+    return SwapOptions(
+        device=kwargs.get("swap_device") or "/CPU:0",
+        trigger=kwargs.get("swap_trigger") or "direct",
+        lb=int(kwargs.get("swap_lb", 3)),
+        ub=int(kwargs.get("swap_ub", 30)),
+        fuse=bool(kwargs.get("swap_fuse", True)),
+    )
+
+
+def _cost_model(kwargs) -> CostModel:
+    return CostModel(flops_per_second=float(kwargs.get("flops_per_second") or 10e12),
+                     bandwidth=float(kwargs.get("bandwidth") or 16e9), lb=int(kwargs.get("swap_lb", 3)))
+
+
+def _swapped(swap, fwd, model, chosen, inner=None) -> list:
+    """Tensor ids of ``model`` to swap for the ``swap=`` argument."""
+    if swap is None or swap is False:
+        return []
+    possible = swap_candidates(model, kept_set(model, chosen), inner)
+    if swap is True:
+        return possible
+    if isinstance(swap, str):
+        raise ValueError(f"swap={swap!r} is not supported yet: use swap=True (every tensor the backward "
+                         "pass reads from the forward pass) or a list of tensors")
+    ids = {info.name: t for t, info in model.tensors.items()}
+    wanted = []
+    for tensor in _as_list(swap):
+        name = getattr(tensor, "name", None)
+        if name not in ids or ids[name] not in possible:
+            raise CheckpointError(
+                f"cannot swap {name or tensor!r}: only tensors the backward pass reads from the forward "
+                "pass can be swapped (checkpoints, and inputs of ops differentiated in place); "
+                "recomputed tensors never stay on the device between the two passes"
+            )
+        wanted.append(ids[name])
+    return wanted
+
+
 def _plan(ys, xs, checkpoints, budget, kwargs) -> tuple:
     """Forward graph and plan shared by ``gradients`` and ``plan``."""
     stop_gradients = _as_list(kwargs.get("stop_gradients") or [])
     fwd = forward_graph(xs, ys, stop_gradients)
     model = graph_model(fwd, batch_size=int(kwargs.get("batch_size") or 1))
     keep_x = bool(kwargs.get("keep_x_gradients", False))
+    swap = kwargs.get("swap")
+    if swap is not None and swap is not False:
+        _swap_options(kwargs)  # bad options fail before any planning
+        if isinstance(swap, str):
+            _swapped(swap, fwd, model, [])
     if budget is None:
         chosen = resolve_checkpoints(checkpoints, fwd, model)
         mode = checkpoints if isinstance(checkpoints, str) else "list"
-        return fwd, make_plan(model, chosen, mode, keep_x_gradients=keep_x)
+        swapped = _swapped(swap, fwd, model, chosen)
+        return fwd, make_plan(model, chosen, mode, keep_x_gradients=keep_x, swapped=swapped,
+                              cost=_cost_model(kwargs) if swapped else None)
     budget_bytes = parse_bytes(budget)
     cut_bytes = None
     if isinstance(checkpoints, str) and checkpoints == "speed":
@@ -224,8 +281,10 @@ def _plan(ys, xs, checkpoints, budget, kwargs) -> tuple:
             "pass checkpoints=[tensors] as the candidates to choose from."
         )
     chosen = plan_for_budget(model, pool, budget_bytes, keep_x_gradients=keep_x, cut_bytes=cut_bytes)
+    swapped = _swapped(swap, fwd, model, chosen.checkpoint_ops, chosen.inner)
     return fwd, make_plan(model, chosen.checkpoint_ops, "budget", budget=budget_bytes,
-                          keep_x_gradients=keep_x, inner=chosen.inner)
+                          keep_x_gradients=keep_x, inner=chosen.inner, swapped=swapped,
+                          cost=_cost_model(kwargs) if swapped else None)
 
 
 @_do_not_convert
@@ -237,6 +296,7 @@ def plan(
     batch_size: Optional[int] = None,
     keep_x_gradients: bool = False,
     stop_gradients=None,
+    **swap_kwargs,
 ) -> Plan:
     """The plan ``gradients`` would execute, with its predicted peak and compute.
 
@@ -250,14 +310,19 @@ def plan(
       keep_x_gradients: predict as if the gradients are returned and held
         until the end (True), or consumed as soon as made (False, default).
       stop_gradients: as for tf.gradients.
+      **swap_kwargs: ``swap`` and its options, as for :func:`gradients`.
     """
+    unknown = sorted(set(swap_kwargs) - set(_SWAP_KEYS))
+    if unknown:
+        raise TypeError(f"memsaving.plan got unexpected keyword argument(s) {unknown}")
     if tf.executing_eagerly():
         raise RuntimeError("memsaving.plan needs a graph: call it inside a tf.function or tf.compat.v1 graph.")
     ys, xs = _as_list(ys), _as_list(xs)
     _check_tensors(ys, "ys")
     _check_tensors(xs, "xs")
     ys, xs = _graph_tensors(ys, xs)
-    extra = {"stop_gradients": stop_gradients, "batch_size": batch_size, "keep_x_gradients": keep_x_gradients}
+    extra = {"stop_gradients": stop_gradients, "batch_size": batch_size, "keep_x_gradients": keep_x_gradients,
+             **swap_kwargs}
     return _plan(ys, xs, checkpoints, budget, extra)[1]
 
 

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence, TextIO, Tuple
 from memsaving.graph import GraphModel
 from memsaving.schedule import Inner, backward_units, kept_set, validate_inner
 from memsaving.simulate import Simulation, simulate
+from memsaving.swap import CostModel
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class Plan:
         inputs); part of ``predicted_peak``.
       inner_checkpoints: for multi-level plans, kept op name -> the names of
         the inner checkpoints its segment recomputes first (empty otherwise).
+      swapped: names of the tensors copied to host memory after the forward
+        pass and back before the backward pass reads them.
+      predicted_seconds, plain_seconds: step time of this plan and of plain
+        backprop under the cost model, when swapping was planned.
       steps: the backward units in execution order as ``(kind, anchor op
         name, op names in topological order)``: exactly what
         ``memsaving.gradients`` copies and differentiates.
@@ -62,6 +67,9 @@ class Plan:
     budget: Optional[int] = None
     resident_bytes: int = 0
     inner_checkpoints: Dict[str, List[str]] = field(default_factory=dict)
+    swapped: List[str] = field(default_factory=list)
+    predicted_seconds: Optional[float] = None
+    plain_seconds: Optional[float] = None
     steps: List[Tuple[str, str, Tuple[str, ...]]] = field(default_factory=list, repr=False)
     simulation: Optional[Simulation] = field(default=None, repr=False)
 
@@ -80,13 +88,19 @@ class Plan:
         inner = sum(len(v) for v in self.inner_checkpoints.values())
         if inner:
             out.write(f", {inner} inner checkpoints (multi-level)")
+        if self.swapped:
+            out.write(f", {len(self.swapped)} tensors swapped to host")
         out.write("\n")
         out.write(f"predicted peak {self.predicted_peak / mib:.1f} MiB "
                   f"(plain tf.gradients {self.plain_peak / mib:.1f} MiB, "
                   f"{self.plain_peak / max(self.predicted_peak, 1):.2f}x lower)")
         if self.budget is not None:
             out.write(f", budget {self.budget / mib:.1f} MiB")
-        out.write(f"\npredicted compute {self.predicted_compute:.2f}x a plain step\n\n")
+        out.write(f"\npredicted compute {self.predicted_compute:.2f}x a plain step")
+        if self.predicted_seconds is not None and self.plain_seconds:
+            out.write(f"; predicted step time {self.predicted_seconds / self.plain_seconds:.2f}x plain "
+                      "(transfers overlapping compute)")
+        out.write("\n\n")
         out.write(f"{'#':>3}  {'unit':8} {'starts at (kept op)':40} {'ops':>5} {'kept MiB':>9} {'recompute MFLOP':>16}\n")
         for n, s in enumerate(self.segments):
             anchor = s.anchor if len(s.anchor) <= 40 else "..." + s.anchor[-37:]
@@ -105,17 +119,23 @@ def make_plan(
     budget: Optional[int] = None,
     keep_x_gradients: bool = False,
     inner: Optional[Inner] = None,
+    swapped: Sequence[int] = (),
+    cost: Optional[CostModel] = None,
 ) -> Plan:
     """Score the plan that keeps ``checkpoint_ops`` (and, for multi-level
-    plans, recomputes ``inner`` checkpoints) and describe it."""
+    plans, recomputes ``inner`` checkpoints, and swaps the ``swapped``
+    tensors) and describe it."""
     inner = {a: tuple(v) for a, v in (inner or {}).items() if v}
     kept = kept_set(model, checkpoint_ops)
     validate_inner(model, kept, inner)
-    sim = simulate(model, kept=kept, keep_x_gradients=keep_x_gradients, inner=inner)
-    plain = simulate(model, keep_x_gradients=keep_x_gradients)
+    swapped = sorted(set(swapped))
+    if swapped:
+        cost = cost or CostModel()
+    sim = simulate(model, kept=kept, keep_x_gradients=keep_x_gradients, inner=inner, swapped=swapped, cost=cost)
+    plain = simulate(model, keep_x_gradients=keep_x_gradients, cost=cost)
     segments = []
     steps = []
-    for unit in backward_units(model, kept, inner):
+    for unit in backward_units(model, kept, inner, inplace=bool(swapped)):
         anchor = model.ops[unit.anchor] if unit.anchor >= 0 else None
         steps.append((unit.kind, anchor.name if anchor else "", tuple(model.ops[i].name for i in unit.ops)))
         kept_bytes = sum(model.tensors[t].nbytes for t in anchor.outputs) if anchor else 0
@@ -139,6 +159,9 @@ def make_plan(
         budget=budget,
         resident_bytes=model.resident_bytes,
         inner_checkpoints={model.ops[a].name: [model.ops[i].name for i in v] for a, v in sorted(inner.items())},
+        swapped=[model.tensors[t].name for t in swapped],
+        predicted_seconds=sim.step_seconds,
+        plain_seconds=plain.step_seconds,
         steps=steps,
         simulation=sim,
     )

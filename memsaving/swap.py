@@ -37,24 +37,44 @@ class CostModel:
         first consumer.
       fuse_distance: consumers of a swapped tensor at most this many actions
         apart share one swap-in.
+      out_slack: the forward ops this many steps after a swapped tensor's
+        consumers wait for its swap-out (1: the consumers' consumers), so
+        the device copy is freed early in the forward pass and not after it.
     """
 
     flops_per_second: float = 10e12
     bandwidth: float = 16e9
     lb: int = 3
     fuse_distance: int = 50
+    out_slack: int = 1
 
 
 def swappable(model: GraphModel, actions: Sequence, forward_end: int) -> List[int]:
     """Forward tensors the backward part reads straight from the forward pass
     (kept tensors: checkpoints, inputs of ops never recomputed): the ones a
     swap can take off the device between the two passes."""
+    from memsaving.candidates import parameter_ops  # pylint: disable=import-outside-toplevel
+
+    parameters = parameter_ops(model)  # weights and their reshapes stay resident anyway
     found: Set[int] = set()
     for action in actions[forward_end + 1:]:
         for key in action.reads:
-            if key[0] == "f" and model.tensors[key[1]].producer >= 0:
+            if key[0] != "f":
+                continue
+            info = model.tensors[key[1]]
+            if info.producer >= 0 and info.producer not in parameters and info.trainable and info.nbytes > 0:
                 found.add(key[1])
     return sorted(found)
+
+
+def swap_candidates(model: GraphModel, kept: Set[int], inner=None) -> List[int]:
+    """The tensors a plan keeping ``kept`` could swap: those its backward
+    part reads from the forward pass (units differentiated in place)."""
+    from memsaving.schedule import backward_units  # pylint: disable=import-outside-toplevel
+    from memsaving.simulate import _actions  # pylint: disable=import-outside-toplevel
+
+    actions, _ = _actions(model, kept, backward_units(model, kept, inner, inplace=True))
+    return swappable(model, actions, len(model.ops))
 
 
 def add_swaps(actions: Sequence, model: GraphModel, swapped: Iterable[int], forward_end: int,
@@ -87,15 +107,28 @@ def add_swaps(actions: Sequence, model: GraphModel, swapped: Iterable[int], forw
                 Action(f"swap-in {info.name}", [("h", t)], [(key, info.nbytes)], float(info.nbytes), stream="h2d"))
             for i in group:
                 renamed[i, t] = key
+    waits: Dict[int, list] = {}
+    for t in sorted(swapped):
+        if any(a.label == f"swap-out {model.tensors[t].name}" for a in after.get(model.tensors[t].producer, ())):
+            for waiter in _forward_waiters(model, t, cost.out_slack):
+                waits.setdefault(waiter, []).append(("h", t))
     result = []
     for i, action in enumerate(actions):
         result.extend(before.get(i, ()))
-        if any((i, key[1]) in renamed for key in action.reads if key[0] == "f"):
+        if i in waits or any((i, key[1]) in renamed for key in action.reads if key[0] == "f"):
             reads = [renamed.get((i, key[1]), key) if key[0] == "f" else key for key in action.reads]
-            action = Action(action.label, reads, action.writes, action.cost, action.stream)
+            action = Action(action.label, reads + waits.get(i, []), action.writes, action.cost, action.stream)
         result.append(action)
         result.extend(after.get(i, ()))
     return result
+
+
+def _forward_waiters(model: GraphModel, tensor: int, slack: int) -> List[int]:
+    """Forward ops ``slack + 1`` steps downstream of ``tensor`` (op indices)."""
+    frontier = set(model.consumers(tensor))
+    for _ in range(slack):
+        frontier = {c for i in frontier for t in model.ops[i].outputs for c in model.consumers(t)}
+    return sorted(i for i in frontier if model.ops[i].forward)
 
 
 def timed_replay(actions: Sequence, cost: CostModel, pinned: Set = frozenset()) -> Tuple[float, int, List[float]]:

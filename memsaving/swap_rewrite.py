@@ -1,0 +1,207 @@
+"""Emitting swaps in the TensorFlow graph (after the backward pass is built).
+
+For each swapped forward tensor ``t``: one *swap-out*, a copy on the host
+device made right after ``t``'s producer (it only reads ``t``), and one or
+more *swap-ins*, copies back onto ``t``'s device that feed the backward ops
+that read ``t`` instead of ``t`` itself.  Each swap-in carries a control
+dependency on a *trigger*, a backward op that runs a little before the
+swap-in's first consumer, so the copy is neither made too early (holding
+memory) nor too late (stalling compute).  Two trigger strategies, after
+TFLMS:
+
+* ``"direct"``: number the backward ops by topological level (longest path
+  from the start of the backward pass) and trigger on an op ``lb`` levels
+  before the consumer (searching up to ``ub`` levels back);
+* ``"chain"``: walk back from the consumer along the ops it depends on
+  (the chain of the chain rule) ``lb`` steps and trigger on that op.
+
+Consumers of one tensor within ``fuse_levels`` levels of each other share
+one swap-in (fusing); without fusing every consumer gets its own.
+
+The copies are ``Snapshot`` ops: Grappler's dependency optimizer deletes
+``Identity`` pairs, which would undo the swap.  A *backend* makes the copies;
+the default places Snapshots on devices, and tests use one that moves the
+bytes out of TensorFlow's allocator to measure what swapping saves on a
+machine without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.util import object_identity
+
+
+@dataclass(frozen=True)
+class SwapOptions:
+    """How swaps are emitted (see the module docstring)."""
+
+    device: str = "/CPU:0"
+    trigger: str = "direct"
+    lb: int = 3
+    ub: int = 30
+    fuse: bool = True
+    fuse_levels: int = 5
+    out_slack: int = 1
+
+    def __post_init__(self):
+        if self.trigger not in ("direct", "chain"):
+            raise ValueError(f"swap trigger must be 'direct' or 'chain', got {self.trigger!r}")
+        if not 0 <= self.lb <= self.ub:
+            raise ValueError(f"swap bounds must satisfy 0 <= lb <= ub, got lb={self.lb}, ub={self.ub}")
+
+
+class SnapshotBackend:
+    """Copies with ``Snapshot`` ops placed on the host and back on the device."""
+
+    def swap_out(self, tensor: tf.Tensor, host: str) -> tf.Tensor:
+        with tf.device(host):
+            return tf.raw_ops.Snapshot(input=tensor, name="swap_out")
+
+    def swap_in(self, handle: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+        with tf.device(like.op.device or None):
+            return tf.raw_ops.Snapshot(input=handle, name="swap_in")
+
+
+class HostStoreBackend:
+    """A test backend: swap-out moves the bytes into a numpy store (outside
+    TensorFlow's allocator) and returns a token; swap-in brings them back.
+
+    On a machine without a GPU the host and the "device" share one
+    allocator, so only this makes the saving measurable."""
+
+    def __init__(self):
+        self.store: Dict[int, np.ndarray] = {}
+        self._next = 0
+
+    def swap_out(self, tensor: tf.Tensor, host: str) -> tf.Tensor:
+        key = self._next
+        self._next += 1
+
+        def put(value):
+            self.store[key] = value.copy()
+            return np.int64(key)
+
+        # stateful=False: a stateful op would be chained to every other one
+        # in creation order by tf.function, making cycles with the triggers
+        token = tf.numpy_function(put, [tensor], tf.int64, stateful=False, name="swap_out")
+        token.set_shape([])
+        return token
+
+    def swap_in(self, handle: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+        def get(key):
+            return self.store[int(key)]
+
+        value = tf.numpy_function(get, [handle], like.dtype, stateful=False, name="swap_in")
+        value.set_shape(like.shape)
+        return value
+
+
+def _levels(backward: Sequence[tf.Operation]) -> Dict[tf.Operation, int]:
+    """Topological level of each backward op (creation order is topological)."""
+    level: Dict[tf.Operation, int] = {}
+    for op in backward:
+        preds = [t.op for t in op.inputs] + list(op.control_inputs)
+        level[op] = 1 + max((level[p] for p in preds if p in level), default=-1)
+    return level
+
+
+def insert_swaps(
+    backward: Sequence[tf.Operation],
+    tensors: Sequence[tf.Tensor],
+    options: SwapOptions,
+    backend=None,
+    forward: Sequence[tf.Operation] = (),
+) -> List[dict]:
+    """Swap ``tensors`` for the ``backward`` ops (all ops created by the
+    backward pass, in creation order).  The ``forward`` ops
+    ``options.out_slack + 1`` steps downstream of a swapped tensor wait for
+    its swap-out, so the device copy is freed during the forward pass.
+    Returns, per tensor, its swap-out, swap-ins, triggers and rewired
+    consumers (for tests and reports)."""
+    forward_set = set(forward)
+    backend = backend or SnapshotBackend()
+    level = _levels(backward)
+    by_level: Dict[int, List[tf.Operation]] = {}
+    for op in backward:
+        by_level.setdefault(level[op], []).append(op)
+    position = {op: i for i, op in enumerate(backward)}
+    readers = object_identity.ObjectIdentityDictionary()
+    for op in backward:
+        for t in op.inputs:
+            readers.setdefault(t, []).append(op)
+    report = []
+    for t in tensors:
+        consumers = list(dict.fromkeys(readers.get(t, [])))
+        if not consumers:
+            continue
+
+        def effective(op):
+            # a segment's proxy is read by copies that wait on gradients:
+            # time the swap-in by them, not by the proxy
+            if op.type == "Identity" and op.name.endswith("proxy"):
+                later = [level[c] for c in readers.get(op.outputs[0], []) if c in level]
+                if later:
+                    return min(later)
+            return level[op]
+
+        consumers.sort(key=effective)
+        groups: List[List[tf.Operation]] = []
+        for op in consumers:
+            if groups and options.fuse and effective(op) - effective(groups[-1][0]) <= options.fuse_levels:
+                groups[-1].append(op)
+            else:
+                groups.append([op])
+        swap_out = backend.swap_out(t, options.device)
+        for waiter in _forward_waiters(t, options.out_slack, forward_set):
+            waiter._add_control_input(swap_out.op)  # pylint: disable=protected-access
+        entry = {"tensor": t, "swap_out": swap_out, "swap_ins": [], "triggers": [], "consumers": []}
+        for group in groups:
+            swap_in = backend.swap_in(swap_out, t)
+            first = group[0]
+            trigger = _trigger(first, effective(first), options, level, by_level, position)
+            if trigger is not None:
+                swap_in.op._add_control_input(trigger)  # pylint: disable=protected-access
+            for op in group:
+                for index, value in enumerate(op.inputs):
+                    if value is t:
+                        op._update_input(index, swap_in)  # pylint: disable=protected-access
+            entry["swap_ins"].append(swap_in)
+            entry["triggers"].append(trigger)
+            entry["consumers"].append(group)
+        report.append(entry)
+    return report
+
+
+def _forward_waiters(tensor: tf.Tensor, slack: int, forward: set) -> List[tf.Operation]:
+    frontier = {c for c in tensor.consumers() if c in forward}
+    for _ in range(slack):
+        frontier = {c for op in frontier for out in op.outputs for c in out.consumers() if c in forward}
+    return sorted(frontier, key=lambda op: op.name)
+
+
+def _trigger(consumer, consumer_level, options, level, by_level, position) -> Optional[tf.Operation]:
+    if options.trigger == "chain":
+        op = consumer
+        if op.type == "Identity" and op.name.endswith("proxy"):
+            # walk from the proxy's first reader instead
+            readers = [c for c in op.outputs[0].consumers() if c in level]
+            if readers:
+                op = min(readers, key=lambda c: level[c])
+        for _ in range(options.lb):
+            preds = [p for p in [t.op for t in op.inputs] + list(op.control_inputs) if p in level]
+            if not preds:
+                break
+            op = max(preds, key=lambda p: level[p])
+        return op if op is not consumer else None
+    for distance in range(options.lb, options.ub + 1):
+        target = consumer_level - distance
+        if target < 0:
+            break
+        candidates = [op for op in by_level.get(target, ()) if position[op] < position.get(consumer, 1 << 60)]
+        if candidates:
+            return max(candidates, key=position.get)
+    return None
