@@ -23,6 +23,7 @@ from memsaving.errors import CheckpointError
 from memsaving.extract import graph_model
 from memsaving.forward import forward_graph
 from memsaving.planning import Plan, make_plan
+from memsaving.hybrid import plan_hybrid
 from memsaving.rewrite import BackwardBuilder
 from memsaving.schedule import kept_set
 from memsaving.swap import CostModel, swap_candidates
@@ -233,8 +234,8 @@ def _swapped(swap, fwd, model, chosen, inner=None) -> list:
     if swap is True:
         return possible
     if isinstance(swap, str):
-        raise ValueError(f"swap={swap!r} is not supported yet: use swap=True (every tensor the backward "
-                         "pass reads from the forward pass) or a list of tensors")
+        raise ValueError(f"swap={swap!r} is not supported: use swap=True (every tensor the backward pass "
+                         "reads from the forward pass), swap='auto' (with budget=) or a list of tensors")
     ids = {info.name: t for t, info in model.tensors.items()}
     wanted = []
     for tensor in _as_list(swap):
@@ -249,6 +250,29 @@ def _swapped(swap, fwd, model, chosen, inner=None) -> list:
     return wanted
 
 
+def _candidate_pool(checkpoints, fwd, model) -> tuple:
+    """Candidate cuts for budget planning (and their bytes for Chen's greedy)."""
+    if isinstance(checkpoints, str) and checkpoints == "speed":
+        return candidates.speed(model), None
+    if isinstance(checkpoints, str):
+        ranked = candidates.memory_candidates(model)
+        return [cut for cut, _ in ranked], [b for _, b in ranked]
+    return resolve_checkpoints(checkpoints, fwd, model), None
+
+
+def _hybrid_plan(model, fwd, checkpoints, budget, kwargs, keep_x) -> Plan:
+    """``swap="auto"``: keep / swap / recompute chosen together (memsaving.hybrid)."""
+    if budget is None:
+        raise ValueError("swap='auto' chooses between recomputing and swapping under a memory budget: "
+                         "pass budget= as well (e.g. budget='2GiB'), or use swap=True")
+    budget_bytes = parse_bytes(budget)
+    pool, cut_bytes = _candidate_pool(checkpoints, fwd, model)
+    cost = _cost_model(kwargs)
+    result = plan_hybrid(model, pool, budget_bytes, cost=cost, keep_x_gradients=keep_x, cut_bytes=cut_bytes)
+    return make_plan(model, result.best.checkpoint_ops, "hybrid", budget=budget_bytes, keep_x_gradients=keep_x,
+                     swapped=result.best.swapped, cost=cost)
+
+
 def _plan(ys, xs, checkpoints, budget, kwargs) -> tuple:
     """Forward graph and plan shared by ``gradients`` and ``plan``."""
     stop_gradients = _as_list(kwargs.get("stop_gradients") or [])
@@ -258,6 +282,8 @@ def _plan(ys, xs, checkpoints, budget, kwargs) -> tuple:
     swap = kwargs.get("swap")
     if swap is not None and swap is not False:
         _swap_options(kwargs)  # bad options fail before any planning
+        if swap == "auto":
+            return fwd, _hybrid_plan(model, fwd, checkpoints, budget, kwargs, keep_x)
         if isinstance(swap, str):
             _swapped(swap, fwd, model, [])
     if budget is None:
@@ -267,14 +293,7 @@ def _plan(ys, xs, checkpoints, budget, kwargs) -> tuple:
         return fwd, make_plan(model, chosen, mode, keep_x_gradients=keep_x, swapped=swapped,
                               cost=_cost_model(kwargs) if swapped else None)
     budget_bytes = parse_bytes(budget)
-    cut_bytes = None
-    if isinstance(checkpoints, str) and checkpoints == "speed":
-        pool = candidates.speed(model)
-    elif isinstance(checkpoints, str):
-        ranked = candidates.memory_candidates(model)
-        pool, cut_bytes = [cut for cut, _ in ranked], [b for _, b in ranked]
-    else:
-        pool = resolve_checkpoints(checkpoints, fwd, model)
+    pool, cut_bytes = _candidate_pool(checkpoints, fwd, model)
     if not pool:
         raise CheckpointError(
             "budget= found no candidate checkpoint (the graph between xs and ys has no cut); "

@@ -68,6 +68,8 @@ class Plan:
     resident_bytes: int = 0
     inner_checkpoints: Dict[str, List[str]] = field(default_factory=dict)
     swapped: List[str] = field(default_factory=list)
+    swapped_bytes: List[int] = field(default_factory=list)
+    transfer_seconds: List[float] = field(default_factory=list)
     predicted_seconds: Optional[float] = None
     plain_seconds: Optional[float] = None
     steps: List[Tuple[str, str, Tuple[str, ...]]] = field(default_factory=list, repr=False)
@@ -106,6 +108,12 @@ class Plan:
             anchor = s.anchor if len(s.anchor) <= 40 else "..." + s.anchor[-37:]
             out.write(f"{n:>3}  {s.kind:8} {anchor:40} {s.ops:>5} {s.kept_bytes / mib:>9.2f} "
                       f"{s.recompute_cost / 1e6:>16.2f}\n")
+        if self.swapped:
+            out.write("\nswapped to host (kept off the device between the passes):\n")
+            out.write(f"{'tensor':50} {'MiB':>8} {'transfer ms':>12}\n")
+            for name, size, seconds in zip(self.swapped, self.swapped_bytes, self.transfer_seconds):
+                name = name if len(name) <= 50 else "..." + name[-47:]
+                out.write(f"{name:50} {size / mib:>8.2f} {seconds * 1e3:>12.3f}\n")
         return out.getvalue()
 
     def __str__(self) -> str:
@@ -160,6 +168,8 @@ def make_plan(
         resident_bytes=model.resident_bytes,
         inner_checkpoints={model.ops[a].name: [model.ops[i].name for i in v] for a, v in sorted(inner.items())},
         swapped=[model.tensors[t].name for t in swapped],
+        swapped_bytes=[model.tensors[t].nbytes for t in swapped],
+        transfer_seconds=[model.tensors[t].nbytes / cost.bandwidth for t in swapped] if swapped else [],
         predicted_seconds=sim.step_seconds,
         plain_seconds=plain.step_seconds,
         steps=steps,
