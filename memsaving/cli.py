@@ -28,8 +28,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     plan.add_argument("--checkpoints", default="memory", choices=["memory", "speed"],
                       help="how checkpoints are chosen (default memory)")
     plan.add_argument("--budget", default=None, help="a memory budget such as 2GiB or 512MB (default: none)")
-    plan.add_argument("--swap", default="off", choices=["off", "auto"],
-                      help="host-memory swapping (not available yet: off)")
+    plan.add_argument("--swap", default="off", choices=["off", "all", "auto"],
+                      help="host-memory swapping: off, all (every tensor the backward reads, as TFLMS) or "
+                           "auto (keep / swap / recompute chosen under --budget)")
     plan.add_argument("--plot", default=None, metavar="OUT.png", help="also draw the predicted memory timelines")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -33,7 +33,7 @@ def enable(
     model: keras.Model,
     checkpoints="memory",
     budget: Optional[Union[int, str]] = None,
-    swap: bool = False,
+    swap=False,
     batch_size: Optional[int] = None,
     verbose: bool = True,
 ) -> keras.Model:
@@ -43,7 +43,8 @@ def enable(
       model: a compiled or uncompiled Keras model (Sequential, functional or
         subclassed) on the TensorFlow backend.
       checkpoints, budget: as for :func:`memsaving.gradients`.
-      swap: host-memory swapping is not available yet; only ``False``.
+      swap: host swapping, as for :func:`memsaving.gradients` (``True``,
+        ``"auto"`` with ``budget``, or ``False``).
       batch_size: the batch size used to size tensors when the traced batch
         dimension is unknown (default: the batch of the first traced call).
       verbose: print the plan's predicted peak when the step is traced.
@@ -57,12 +58,13 @@ def enable(
             f"memsaving.keras needs the TensorFlow backend of Keras, not {keras.backend.backend()!r}: "
             "set KERAS_BACKEND=tensorflow before importing keras."
         )
-    if swap:
-        raise NotImplementedError("memsaving.keras.enable(swap=...): host swapping is not available yet; use swap=False.")
+    if swap == "auto" and budget is None:
+        raise ValueError("memsaving.keras.enable(swap='auto') needs budget= (e.g. budget='2GiB')")
     previous = getattr(model, _SETTINGS, None)
     settings = {
         "checkpoints": checkpoints,
         "budget": budget,
+        "swap": swap,
         "batch_size": batch_size,
         "verbose": verbose,
         "jit_compile": previous["jit_compile"] if previous else model.jit_compile,
@@ -129,7 +131,7 @@ def _train_step(self: keras.Model, data):
             settings["batch_size"] = batch
         grads, plan = gradients_and_plan(
             loss, weights, checkpoints=settings["checkpoints"], budget=settings["budget"],
-            batch_size=batch or settings["batch_size"],
+            batch_size=batch or settings["batch_size"], swap=settings["swap"] or None,
         )
         _report(self, plan, settings)
         self.optimizer.apply_gradients(zip(grads, weights))

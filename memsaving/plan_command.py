@@ -63,7 +63,7 @@ def load_model(name_or_path: str, size: int):
                      f"({', '.join(sorted(BUILDERS))})")
 
 
-def trace_plans(model, batch: int, checkpoints="memory", budget=None) -> Tuple[Plan, Plan]:
+def trace_plans(model, batch: int, checkpoints="memory", budget=None, swap: str = "off") -> Tuple[Plan, Plan]:
     """The plan for ``model``'s training step and the plain-backprop plan."""
     import tensorflow as tf
 
@@ -78,7 +78,9 @@ def trace_plans(model, batch: int, checkpoints="memory", budget=None) -> Tuple[P
         loss = tf.add_n([tf.reduce_mean(tf.square(tf.cast(o, tf.float32))) for o in tf.nest.flatten(outputs)])
         weights = model.trainable_variables
         captured["plain"] = memsaving.plan(loss, weights, checkpoints=[], batch_size=batch)
-        captured["plan"] = memsaving.plan(loss, weights, checkpoints=checkpoints, budget=budget, batch_size=batch)
+        swap_kwargs = {"swap": {"auto": "auto", "all": True}[swap]} if swap != "off" else {}
+        captured["plan"] = memsaving.plan(loss, weights, checkpoints=checkpoints, budget=budget, batch_size=batch,
+                                          **swap_kwargs)
         return loss
 
     step.get_concrete_function(*specs)
@@ -89,12 +91,12 @@ def run(model: str, batch: int = 8, size: int = 64, checkpoints: str = "memory",
         swap: str = "off", plot: Optional[str] = None, out: Optional[TextIO] = None) -> Plan:
     """The ``memsaving plan`` command; returns the plan it printed."""
     out = out if out is not None else sys.stdout
-    if swap != "off":
-        raise SystemExit("memsaving plan --swap: host swapping is not available yet; leave --swap off")
+    if swap == "auto" and budget is None:
+        raise SystemExit("memsaving plan --swap auto: give a --budget too (keep / swap / recompute is chosen under it)")
     with progress(f"loading {model}"):
         keras_model = load_model(model, size)
     with progress(f"tracing and planning the training step of {keras_model.name} (batch {batch})"):
-        plan, plain = trace_plans(keras_model, batch, checkpoints, budget)
+        plan, plain = trace_plans(keras_model, batch, checkpoints, budget, swap)
     out.write(plan.table())
     mib = 2 ** 20
     activations = plan.predicted_peak - plan.resident_bytes

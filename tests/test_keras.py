@@ -102,9 +102,13 @@ def test_enable_then_disable_restores_keras(capsys):
     assert capsys.readouterr().out == ""
 
 
-def test_enable_refuses_swap_until_it_exists():
-    with pytest.raises(NotImplementedError, match="swap=False"):
-        mkeras.enable(_sequential(), swap=True)
+def test_fit_with_swapping_matches_plain_keras():
+    plain_model, plain = _train("sequential", enabled=False)
+    ours_model, ours = _train("sequential", enabled=True, swap=True)
+    np.testing.assert_allclose(ours["loss"], plain["loss"], rtol=1e-4)
+    assert mkeras.plan_of(ours_model).swapped
+    with pytest.raises(ValueError, match="needs budget"):
+        mkeras.enable(_sequential(), swap="auto")
 
 
 def test_memsaving_keras_is_reachable_from_the_package():

@@ -82,3 +82,8 @@ def test_plan_command_budget_and_bad_input(capsys):
     assert "smallest feasible budget" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="neither a file nor a built-in model"):
         main(["plan", "no-such-model"])
+    assert main(["plan", "mlp", "--batch", "64", "--budget", "12MiB", "--swap", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "memsaving plan (hybrid)" in out and "predicted step time" in out
+    with pytest.raises(SystemExit, match="give a --budget"):
+        main(["plan", "mlp", "--swap", "auto"])
