@@ -9,7 +9,7 @@ from tensorflow.python.eager import context
 import memsaving
 from helpers import assert_close, run_session, run_tf_function
 from memsaving.swap_rewrite import HostStoreBackend
-from model_zoo import DeepMLP, ResidualNet
+from model_zoo import ALL_MODELS
 
 HOST = "/CPU:1"  # the second logical CPU stands in for host memory
 
@@ -37,7 +37,7 @@ def test_gradients_equal_with_swaps(trigger, fuse, checkpoints):
     assert_close([g.numpy() for g in plain], [g.numpy() for g in ours])
 
 
-@pytest.mark.parametrize("model_cls", [DeepMLP, ResidualNet], ids=lambda c: c.name)
+@pytest.mark.parametrize("model_cls", ALL_MODELS, ids=lambda c: c.name)
 def test_gradients_equal_with_swaps_in_both_modes(model_cls, monkeypatch):
     original = memsaving.gradients
 
