@@ -85,12 +85,14 @@ def timeline(
     checkpoints="memory",
     budget=None,
     device: Optional[str] = None,
+    **kwargs,
 ) -> Timeline:
     """Run one gradient computation of ``loss_fn(*inputs)`` with respect to
     ``xs`` and return its predicted and measured memory timelines.
 
     ``checkpoints`` and ``budget`` are those of :func:`memsaving.gradients`;
-    ``checkpoints=[]`` gives plain backprop.  The gradients are reduced to a
+    ``checkpoints=[]`` gives plain backprop; other keywords (``swap`` and
+    its options, ``batch_size``) are passed to it too.  The gradients are reduced to a
     scalar inside the step, so returned gradients do not hide activation
     memory.  The step runs twice (the first run builds and warms up).
 
@@ -109,8 +111,9 @@ def timeline(
     @tf.function
     def step(*args):
         loss = loss_fn(*args)
+        options = {"batch_size": batch, **kwargs}
         grads, plan = gradients_and_plan(loss, list(xs), checkpoints=checkpoints, budget=budget,
-                                         batch_size=batch, probe=_probe(records, device))
+                                         probe=_probe(records, device), **options)
         captured["plan"] = plan
         grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
         return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads])
