@@ -5,8 +5,8 @@ budgets from 0.4 to 0.95 of the keep-everything peak, prints the total
 compute (forward + recompute + backward, relative to plain backprop) of
 
 * memsaving's budget selection (``budget=``: single- and multi-level plans),
-* the exact optimum of single-level plans (enumeration, small chains only;
-  multi-level plans may beat it),
+* the exact optimum of single-level whole-segment plans (enumeration, small
+  chains only; multi-level plans and segments kept in place may beat it),
 * evenly spaced sqrt(n) checkpoints (Chen et al.), when they fit the budget,
 
 all scored by the same simulator, and the time the budget selection takes on
@@ -59,7 +59,7 @@ def main(argv=None) -> None:
             optimum = optimal_plan(model, candidates, budget)
             try:
                 chosen = plan_for_budget(model, candidates, budget)
-                ours = _total(model, simulate(model, chosen.checkpoint_ops, inner=chosen.inner).recompute_cost)
+                ours = _total(model, chosen.recompute_cost)
             except BudgetError:
                 ours = float("nan")
             best = _total(model, optimum[1]) if optimum else float("nan")

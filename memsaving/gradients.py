@@ -270,7 +270,7 @@ def _hybrid_plan(model, fwd, checkpoints, budget, kwargs, keep_x) -> Plan:
     cost = _cost_model(kwargs)
     result = plan_hybrid(model, pool, budget_bytes, cost=cost, keep_x_gradients=keep_x, cut_bytes=cut_bytes)
     return make_plan(model, result.best.checkpoint_ops, "hybrid", budget=budget_bytes, keep_x_gradients=keep_x,
-                     swapped=result.best.swapped, cost=cost)
+                     swapped=result.best.swapped, cost=cost, inplace=True)
 
 
 def _plan(ys, xs, checkpoints, budget, kwargs) -> tuple:

@@ -59,7 +59,9 @@ class HybridResult:
 
 def _score(model: GraphModel, name: str, ops: Sequence[int], swapped: Sequence[int], cost: CostModel,
            keep_x_gradients: bool) -> ScoredPlan:
-    sim = simulate(model, ops, keep_x_gradients=keep_x_gradients, swapped=swapped, cost=cost)
+    # every plan is scored (and emitted) with kept ops whose inputs are kept
+    # differentiated in place, so plans compare on the same terms
+    sim = simulate(model, ops, keep_x_gradients=keep_x_gradients, swapped=swapped, cost=cost, inplace=True)
     return ScoredPlan(name, sorted(set(ops)), sorted(set(swapped)), sim.peak_bytes, sim.step_seconds,
                       sim.recompute_cost)
 

@@ -129,6 +129,7 @@ def make_plan(
     inner: Optional[Inner] = None,
     swapped: Sequence[int] = (),
     cost: Optional[CostModel] = None,
+    inplace: Optional[bool] = None,
 ) -> Plan:
     """Score the plan that keeps ``checkpoint_ops`` (and, for multi-level
     plans, recomputes ``inner`` checkpoints, and swaps the ``swapped``
@@ -139,11 +140,13 @@ def make_plan(
     swapped = sorted(set(swapped))
     if swapped:
         cost = cost or CostModel()
-    sim = simulate(model, kept=kept, keep_x_gradients=keep_x_gradients, inner=inner, swapped=swapped, cost=cost)
+    inplace = bool(swapped) if inplace is None else inplace
+    sim = simulate(model, kept=kept, keep_x_gradients=keep_x_gradients, inner=inner, swapped=swapped, cost=cost,
+                   inplace=inplace)
     plain = simulate(model, keep_x_gradients=keep_x_gradients, cost=cost)
     segments = []
     steps = []
-    for unit in backward_units(model, kept, inner, inplace=bool(swapped)):
+    for unit in backward_units(model, kept, inner, inplace=inplace):
         anchor = model.ops[unit.anchor] if unit.anchor >= 0 else None
         steps.append((unit.kind, anchor.name if anchor else "", tuple(model.ops[i].name for i in unit.ops)))
         kept_bytes = sum(model.tensors[t].nbytes for t in anchor.outputs) if anchor else 0

@@ -78,6 +78,7 @@ def simulate(
     inner: Optional[Inner] = None,
     swapped: Iterable[int] = (),
     cost: Optional[CostModel] = None,
+    inplace: Optional[bool] = None,
 ) -> Simulation:
     """Replay the gradient computation that keeps ``checkpoint_ops``.
 
@@ -96,11 +97,13 @@ def simulate(
         before the backward pass reads them (:mod:`memsaving.swap`).
       cost: speeds of compute and transfers; with it (or with swaps) the
         step is also timed on three streams, and the peak is the timed one.
+      inplace: differentiate kept ops whose inputs are all kept where they
+        are instead of recomputing them (default: only when swapping).
     """
     if kept is None:
         kept = kept_set(model, checkpoint_ops)
     swapped = set(swapped)
-    units = backward_units(model, kept, inner, inplace=bool(swapped))
+    units = backward_units(model, kept, inner, inplace=bool(swapped) if inplace is None else inplace)
     actions, unit_ends = _actions(model, kept, units)
     pinned = {("g", x) for x in model.xs} if keep_x_gradients else set()
     step_seconds = None
