@@ -1,7 +1,7 @@
 """Budget sweep on the op graphs of real Keras training steps.
 
 For VGG16, ResNet50, MobileNetV2 (keras.applications, weights=None) and a
-small U-Net defined here, the training step's op graph is extracted and, for
+small U-Net (memsaving.models.unet), the training step's op graph is extracted and, for
 budgets from 0.4 to 0.95 of the keep-everything activation peak, three
 strategies are scored by the same simulator:
 
@@ -33,34 +33,13 @@ from memsaving.budget import greedy_plans, select_for_budget
 from memsaving.errors import BudgetError
 from memsaving.extract import graph_model
 from memsaving.forward import forward_graph
+from memsaving.models import BUILDERS as MODELS
 from memsaving.simulate import simulate
 
 FRACTIONS = (0.4, 0.5, 0.6, 0.7, 0.8, 0.95)
 
 
-def unet(size: int):
-    inp = keras.Input((size, size, 3))
-    skips, h = [], inp
-    for filters in (16, 32, 64):
-        h = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(h)
-        h = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(h)
-        skips.append(h)
-        h = keras.layers.MaxPooling2D()(h)
-    h = keras.layers.Conv2D(128, 3, padding="same", activation="relu")(h)
-    for filters, skip in zip((64, 32, 16), reversed(skips)):
-        h = keras.layers.UpSampling2D()(h)
-        h = keras.layers.Concatenate()([h, skip])
-        h = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(h)
-        h = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(h)
-    return keras.Model(inp, keras.layers.Conv2D(1, 1)(h))
-
-
-BUILDERS = {
-    "vgg16": lambda s: keras.applications.VGG16(weights=None, input_shape=(s, s, 3), classes=10),
-    "resnet50": lambda s: keras.applications.ResNet50(weights=None, input_shape=(s, s, 3), classes=10),
-    "mobilenet": lambda s: keras.applications.MobileNetV2(weights=None, input_shape=(s, s, 3), classes=10),
-    "unet": unet,
-}
+BUILDERS = {name: MODELS[name] for name in ("vgg16", "resnet50", "mobilenet", "unet")}
 
 
 def step_model(model, batch: int, size: int):

@@ -1,7 +1,7 @@
 """Budget plans against the Checkmate MILP, on layer-level Keras graphs.
 
 For VGG16, ResNet50, MobileNetV2 (keras.applications, weights=None) and the
-U-Net of :mod:`experiments.bench_keras_budget`, the layer-level graph of the
+U-Net of :mod:`memsaving.models`, the layer-level graph of the
 training step (:mod:`memsaving.layer_graph`) is planned under budgets from
 0.4 to 0.95 of the keep-everything activation peak (budget = resident +
 fraction * (plain peak - resident)).  Printed side by side, as total compute
