@@ -106,16 +106,16 @@ def simulate(
     units = backward_units(model, kept, inner, inplace=bool(swapped) if inplace is None else inplace)
     actions, unit_ends = _actions(model, kept, units)
     pinned = {("g", x) for x in model.xs} if keep_x_gradients else set()
-    step_seconds = None
+    step_seconds = timed_peak = None
     if swapped or cost is not None:
         cost = cost or CostModel()
         if swapped:
             actions = add_swaps(actions, model, swapped, len(model.ops), cost)
             unit_ends = _shifted(unit_ends, actions)
-        step_seconds, _, _ = timed_replay(actions, cost, pinned)
+        step_seconds, timed_peak, _ = timed_replay(actions, cost, pinned)
     timeline, peak = _replay(actions, pinned)
     if swapped:
-        peak = timed_replay(actions, cost, pinned)[1]
+        peak = timed_peak
     forward_cost = sum(op.cost for op in model.ops)
     recompute = sum(a.cost for a in actions if a.label.startswith(("recompute ", "advance ")))
     backward = BACKWARD_COST_FACTOR * sum(op.cost for op in model.ops if op.forward)

@@ -87,6 +87,7 @@ def add_swaps(actions: Sequence, model: GraphModel, swapped: Iterable[int], forw
     after: Dict[int, list] = {}
     before: Dict[int, list] = {}
     renamed: Dict[Tuple[int, int], Tuple] = {}  # (action index, tensor) -> key it reads instead
+    waits: Dict[int, list] = {}  # forward action index -> swap-outs it waits for
     for t in sorted(swapped):
         info = model.tensors[t]
         readers = [i for i in range(forward_end + 1, len(actions)) if ("f", t) in actions[i].reads]
@@ -94,6 +95,8 @@ def add_swaps(actions: Sequence, model: GraphModel, swapped: Iterable[int], forw
             continue
         after.setdefault(info.producer, []).append(
             Action(f"swap-out {info.name}", [("f", t)], [(("h", t), 0)], float(info.nbytes), stream="d2h"))
+        for waiter in _forward_waiters(model, t, cost.out_slack):
+            waits.setdefault(waiter, []).append(("h", t))
         groups: List[List[int]] = [[readers[0]]]
         for i in readers[1:]:
             if i - groups[-1][-1] > cost.fuse_distance:
@@ -107,11 +110,6 @@ def add_swaps(actions: Sequence, model: GraphModel, swapped: Iterable[int], forw
                 Action(f"swap-in {info.name}", [("h", t)], [(key, info.nbytes)], float(info.nbytes), stream="h2d"))
             for i in group:
                 renamed[i, t] = key
-    waits: Dict[int, list] = {}
-    for t in sorted(swapped):
-        if any(a.label == f"swap-out {model.tensors[t].name}" for a in after.get(model.tensors[t].producer, ())):
-            for waiter in _forward_waiters(model, t, cost.out_slack):
-                waits.setdefault(waiter, []).append(("h", t))
     result = []
     for i, action in enumerate(actions):
         result.extend(before.get(i, ()))
