@@ -8,11 +8,11 @@ fraction * (plain peak - resident)).  Printed side by side, as total compute
 (forward + recompute + backward) relative to plain backprop, all replayed by
 the same simulator:
 
-* memsaving's ``select_for_budget`` (candidates from ``memory_candidates``),
-* the same plan without the recomputations nobody reads ("DP lean": a
-  segment recomputes its anchor op even when its gradient does not read its
-  output),
-* ``plan_for_budget`` with multi-level (recursive) plans competing ("multi"),
+* the DP over candidate cuts alone (``select_for_budget``, candidates from
+  ``memory_candidates``; "cut DP"),
+* ``plan_for_budget``, what ``gradients(..., budget=)`` runs ("memsaving"):
+  the cut DP's plan, its per-op refinements (``memsaving.refine``) and
+  multi-level (recursive) plans, the cheapest that fits,
 * Chen et al.'s sqrt(n) cuts and Chen's greedy (best of ``greedy_plans``
   that fits),
 * the MILP optimum over Checkmate schedules (``memsaving.milp``), replayed;
@@ -43,7 +43,6 @@ from memsaving.budget import plan_for_budget, select_for_budget
 from memsaving.errors import BudgetError
 from memsaving.layer_graph import layer_graph_model
 from memsaving.milp import MAX_NODES, run_milp, training_graph
-from memsaving.replay import plan_schedule, simulate_schedule
 from memsaving.simulate import simulate
 
 
@@ -54,14 +53,14 @@ class Row:
     model: str
     fraction: float
     dp: Optional[float]
-    lean: Optional[float]
     sqrtn: Optional[float]
     greedy: Optional[float]
-    multi: Optional[float] = None
+    full: Optional[float] = None
     milp: Optional[float] = None
     optimal: bool = False
     lower: Optional[float] = None
     dp_seconds: float = 0.0
+    full_seconds: float = 0.0
     milp_seconds: Optional[float] = None
     status: str = "too large"
     size: str = ""
@@ -73,24 +72,27 @@ def _fmt(value: Optional[float], mark: str = "") -> str:
 
 
 def _dp(model, cuts, budget):
-    """memsaving's plan: (ratio, lean ratio, seconds); ratios None if infeasible."""
+    """The cut DP's plan: (compute ratio or None if infeasible, seconds)."""
     start = time.perf_counter()
     try:
         ops, _ = select_for_budget(model, [c for c, _ in cuts], budget, cut_bytes=[b for _, b in cuts])
     except BudgetError:
-        return None, None, time.perf_counter() - start
+        return None, time.perf_counter() - start
     seconds = time.perf_counter() - start
-    lean = simulate_schedule(model, plan_schedule(model, ops, drop_unread=True))
-    return simulate(model, ops).compute_ratio, lean.compute_ratio, seconds
+    return simulate(model, ops).compute_ratio, seconds
 
 
-def _multi(model, cuts, budget) -> Optional[float]:
-    """plan_for_budget with multi-level plans: its compute ratio, None if infeasible."""
+def _full(model, cuts, budget):
+    """plan_for_budget: (compute ratio or None if infeasible, seconds)."""
+    start = time.perf_counter()
     try:
         plan = plan_for_budget(model, [c for c, _ in cuts], budget, cut_bytes=[b for _, b in cuts])
     except BudgetError:
-        return None
-    return simulate(model, plan.checkpoint_ops, inner=plan.inner).compute_ratio
+        return None, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    sim = simulate(model, plan.checkpoint_ops, inner=plan.inner)
+    assert sim.peak_bytes <= budget, "plan_for_budget returned a plan over the budget"
+    return sim.compute_ratio, seconds
 
 
 def _milp(model, budget, args, row: Row, plain_step: float) -> None:
@@ -122,22 +124,23 @@ def bench_model(name: str, args) -> List[Row]:
           f"(loss included), {nodes} training-graph nodes, {len(cuts)} candidate cuts, plain activation peak "
           f"{(plain.peak_bytes - resident) / 2**20:.1f} MiB, resident {resident / 2**20:.1f} MiB "
           f"(batch {args.batch}, {args.size}x{args.size})")
-    print(f"{'budget':>6} {'DP':>7} {'DP lean':>8} {'multi':>7} {'sqrt(n)':>8} {'greedy':>7} {'MILP':>8} "
-          f"{'MILP lb':>8} {'DP s':>6} {'MILP s':>7}  MILP status")
+    print(f"{'budget':>6} {'cut DP':>7} {'memsaving':>9} {'sqrt(n)':>8} {'greedy':>7} {'MILP':>8} "
+          f"{'MILP lb':>8} {'plan s':>6} {'MILP s':>7}  MILP status")
     rows = []
     for fraction in FRACTIONS:
         budget = resident + int(fraction * (plain.peak_bytes - resident))
-        dp, lean, dp_seconds = _dp(model, cuts, budget)
+        dp, dp_seconds = _dp(model, cuts, budget)
         g = greedy(model, cuts, budget)
-        row = Row(name, fraction, dp, lean, sqrt_sim.compute_ratio if sqrt_sim.peak_bytes <= budget else None,
+        row = Row(name, fraction, dp, sqrt_sim.compute_ratio if sqrt_sim.peak_bytes <= budget else None,
                   g.compute_ratio if g is not None else None, dp_seconds=dp_seconds)
-        row.multi = _multi(model, cuts, budget)
+        row.full, row.full_seconds = _full(model, cuts, budget)
         if nodes <= args.max_nodes:
             _milp(model, budget, args, row, step)
         milp = "n/a" if row.status == "too large" else _fmt(row.milp, "" if row.optimal else "*")
         seconds = "-" if row.milp_seconds is None else f"{row.milp_seconds:.1f}"
-        print(f"{fraction:>6.2f} {_fmt(dp):>7} {_fmt(lean):>8} {_fmt(row.multi):>7} {_fmt(row.sqrtn):>8} "
-              f"{_fmt(row.greedy):>7} {milp:>8} {_fmt(row.lower):>8} {dp_seconds:>6.2f} {seconds:>7}  {row.status}",
+        print(f"{fraction:>6.2f} {_fmt(dp):>7} {_fmt(row.full):>9} {_fmt(row.sqrtn):>8} "
+              f"{_fmt(row.greedy):>7} {milp:>8} {_fmt(row.lower):>8} {row.full_seconds:>6.2f} {seconds:>7}  "
+              f"{row.status}",
               flush=True)
         rows.append(row)
     sizes = sorted({r.size for r in rows if r.size})
@@ -151,39 +154,33 @@ def _geomean(values: List[float]) -> float:
 
 
 def summarize(rows: List[Row]) -> None:
-    solved = [r for r in rows if r.dp is not None and r.milp is not None and r.optimal]
     print("\nSummary")
-    if solved:
-        ratios = [r.dp / r.milp for r in solved]
-        lean = [r.lean / r.milp for r in solved]
-        worst = max(solved, key=lambda r: r.dp / r.milp)
-        print(f"  DP / MILP optimum over {len(solved)} proven cases: geometric mean {_geomean(ratios):.4f}, "
-              f"max {max(ratios):.4f} ({worst.model} at {worst.fraction:.2f}); DP lean / MILP: "
-              f"{_geomean(lean):.4f}, max {max(lean):.4f}")
-        multi = [r.multi / r.milp for r in solved if r.multi is not None]
-        if multi:
-            print(f"  multi-level plan_for_budget / MILP over {len(multi)} of them: geometric mean "
-                  f"{_geomean(multi):.4f}, max {max(multi):.4f}")
-    bounded = [r for r in rows if r.dp is not None and r.milp is not None and not r.optimal]
-    for r in bounded:
-        print(f"  {r.model} {r.fraction:.2f}: MILP not proven optimal in the time limit; DP / best schedule "
-              f"{r.dp / r.milp:.4f}, DP / lower bound {r.dp / r.lower:.4f}")
-    missed = [r for r in rows if r.dp is None and r.milp is not None]
-    for r in missed:
-        print(f"  {r.model} {r.fraction:.2f}: the DP finds no plan, the MILP has a schedule ({r.milp:.3f})")
+    for label, attr in (("memsaving (plan_for_budget)", "full"), ("cut DP alone", "dp")):
+        solved = [r for r in rows if getattr(r, attr) is not None and r.milp is not None and r.optimal]
+        if not solved:
+            continue
+        ratios = [getattr(r, attr) / r.milp for r in solved]
+        worst = max(solved, key=lambda r: getattr(r, attr) / r.milp)
+        print(f"  {label} / MILP optimum over {len(solved)} proven cases: geometric mean "
+              f"{_geomean(ratios):.4f}, max {max(ratios):.4f} ({worst.model} at {worst.fraction:.2f})")
+    for r in rows:
+        if r.full is not None and r.milp is not None and not r.optimal:
+            print(f"  {r.model} {r.fraction:.2f}: MILP not proven optimal in the time limit; memsaving / best "
+                  f"schedule {r.full / r.milp:.4f}, memsaving / lower bound {r.full / r.lower:.4f}")
+        if r.full is None and r.milp is not None:
+            print(f"  {r.model} {r.fraction:.2f}: memsaving finds no plan, the MILP has a schedule ({r.milp:.3f})")
     worse = [(r, kind, value) for r in rows for kind, value in (("sqrt(n)", r.sqrtn), ("greedy", r.greedy))
-             if value is not None and (r.dp is None or value < r.dp - 1e-9)]
-    if worse:
-        for r, kind, value in worse:
-            print(f"  DP worse than Chen {kind}: {r.model} at {r.fraction:.2f} "
-                  f"(DP {_fmt(r.dp)}, {kind} {value:.3f})")
-    else:
-        print("  DP never worse than Chen's sqrt(n) or greedy plans (and feasible wherever they are)")
-    dp_times = [r.dp_seconds for r in rows]
-    print(f"  DP selection time: mean {sum(dp_times) / len(dp_times):.2f} s, max {max(dp_times):.2f} s")
+             if value is not None and (r.full is None or value < r.full - 1e-9)]
+    for r, kind, value in worse:
+        print(f"  memsaving worse than Chen {kind}: {r.model} at {r.fraction:.2f} "
+              f"({_fmt(r.full)} against {value:.3f})")
+    if not worse:
+        print("  memsaving never worse than Chen's sqrt(n) or greedy plans (and feasible wherever they are)")
+    times = [r.full_seconds for r in rows]
+    print(f"  memsaving planning time: mean {sum(times) / len(times):.2f} s, max {max(times):.2f} s")
     for r in rows:
         if r.status == "timeout":
-            bound = "" if r.lower is None or r.dp is None else f"; DP / lower bound {r.dp / r.lower:.4f}"
+            bound = "" if r.lower is None or r.full is None else f"; memsaving / lower bound {r.full / r.lower:.4f}"
             print(f"  {r.model} {r.fraction:.2f}: no MILP schedule found in the time limit{bound}")
     milp_times = [r.milp_seconds for r in rows if r.milp_seconds is not None and r.status != "too large"]
     if milp_times:
@@ -192,17 +189,18 @@ def summarize(rows: List[Row]) -> None:
 
 
 def time_largest(args) -> None:
-    """select_for_budget on the full ResNet50 layer graph (the largest)."""
+    """Planning time on the full ResNet50 layer graph (the largest)."""
     keras.utils.set_random_seed(0)
     model = layer_graph_model(BUILDERS["resnet50"](args.size), args.batch)
     plain = simulate(model)
     cuts = cand.memory_candidates(model)
-    print(f"\nselect_for_budget on the full ResNet50 layer graph ({len(model.ops)} ops, "
+    print(f"\nplan_for_budget on the full ResNet50 layer graph ({len(model.ops)} ops, "
           f"{training_graph(model).node_count} training-graph nodes, {len(cuts)} cuts):")
     for fraction in (0.4, 0.7):
         budget = model.resident_bytes + int(fraction * (plain.peak_bytes - model.resident_bytes))
-        _, _, seconds = _dp(model, cuts, budget)
-        print(f"  budget {fraction:.2f}: {seconds:.2f} s")
+        _, dp_seconds = _dp(model, cuts, budget)
+        _, seconds = _full(model, cuts, budget)
+        print(f"  budget {fraction:.2f}: {seconds:.2f} s (the cut DP alone: {dp_seconds:.2f} s)")
 
 
 def main(argv=None) -> None:

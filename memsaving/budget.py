@@ -25,6 +25,7 @@ from memsaving.errors import BudgetError
 from memsaving.chain import Chain, as_cuts as _as_cuts, chain as _chain, ops_of as _ops_of
 from memsaving.graph import GraphModel
 from memsaving.nested import nested_plan, thinned_chain
+from memsaving.refine import refined_plans
 from memsaving.schedule import kept_set, validate_inner
 from memsaving.simulate import simulate
 
@@ -351,14 +352,18 @@ def plan_for_budget(
     cut_bytes: Optional[Sequence[float]] = None,
     max_evaluations: Optional[int] = None,
     multilevel: bool = True,
+    per_op: bool = True,
 ) -> BudgetPlan:
     """The least-recomputation plan whose simulated peak fits ``budget``.
 
     Single-level plans come from :func:`select_for_budget`'s search;
-    with ``multilevel``, recursive plans from the multi-level DP
-    (:mod:`memsaving.nested`) compete with them, judged by the same
-    simulator.  Recursive plans reach budgets below any single-level plan,
-    for more recomputation.
+    with ``per_op``, their per-op refinements (:mod:`memsaving.refine`:
+    keep more of the recomputed ops, or start from keeping everything and
+    recompute only ops cheap per byte) compete with them; with
+    ``multilevel``, recursive plans from the multi-level DP
+    (:mod:`memsaving.nested`) too, all judged by the same simulator.
+    Recursive plans reach budgets below any single-level plan, for more
+    recomputation.
 
     Raises:
       BudgetError: nothing fits; the message gives the smallest budget found
@@ -370,6 +375,10 @@ def plan_for_budget(
     if found.best is not None:
         cost, peak = found.evaluated[found.best]
         options.append(BudgetPlan(_ops_of(found.cuts, found.best), {}, peak, cost))
+    if per_op:
+        starts = [_ops_of(found.cuts, found.best)] if found.best is not None else []
+        for ops, sim in refined_plans(model, starts, budget, keep_x_gradients, max_evaluations):
+            options.append(BudgetPlan(ops, {}, sim.peak_bytes, sim.recompute_cost))
     if multilevel:
         for proposal, sim in _nested_search(model, candidates, budget, keep_x_gradients):
             floor = sim.peak_bytes if floor is None else min(floor, sim.peak_bytes)

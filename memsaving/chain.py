@@ -16,6 +16,7 @@ from typing import List, Sequence, Union
 import numpy as np
 
 from memsaving.graph import GraphModel
+from memsaving.schedule import recomputes_anchor
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Chain:
     cost_prefix: np.ndarray  # cumulative forward cost by op position
     reads_prefix: np.ndarray  # cumulative grad-read bytes by op position
     largest: np.ndarray  # largest tensor per op position (gradient buffers)
+    anchor_cost: np.ndarray  # per candidate: cost of its ops a segment does not recompute
 
     @property
     def size(self) -> int:
@@ -61,12 +63,16 @@ class Chain:
         """``cost(a, b)`` for every ``a < b`` at once."""
         starts = np.array(self.positions[:b]) + 1
         _, hi = self._span(0, b)
-        return self.cost_prefix[hi + 1] - self.cost_prefix[starts]
+        return np.maximum(self.cost_prefix[hi + 1] - self.cost_prefix[starts] - self._anchor(b), 0.0)
+
+    def _anchor(self, b: int) -> float:
+        return float(self.anchor_cost[b - 1]) if 1 <= b <= self.size else 0.0
 
     def cost(self, a: int, b: int) -> float:
-        """Forward cost of the ops after cut ``a`` up to cut ``b``."""
+        """Recomputation cost of the stretch after cut ``a`` up to cut ``b``:
+        the forward cost of its ops, except cut ``b``'s own (kept) ops."""
         lo, hi = self._span(a, b)
-        return float(self.cost_prefix[hi + 1] - self.cost_prefix[lo])
+        return max(float(self.cost_prefix[hi + 1] - self.cost_prefix[lo]) - self._anchor(b), 0.0)
 
 
 def as_cuts(candidates: Sequence[Union[int, Sequence[int]]]) -> List[List[int]]:
@@ -91,4 +97,6 @@ def chain(model: GraphModel, cuts: Sequence[Sequence[int]]) -> Chain:
         largest[i] = max([model.tensors[t].nbytes for t in op.outputs] + [0]) if fwd else 0
     kept = np.array([sum(model.tensors[t].nbytes for i in cut for t in model.ops[i].outputs) for cut in cuts],
                     dtype=float)
-    return Chain([-1] + [max(cut) for cut in cuts] + [n], kept, cost, reads, largest)
+    anchor_cost = np.array([sum(model.ops[i].cost for i in cut if not recomputes_anchor(model.ops[i].type))
+                            for cut in cuts], dtype=float)
+    return Chain([-1] + [max(cut) for cut in cuts] + [n], kept, cost, reads, largest, anchor_cost)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Dict, Iterable, List, Sequence, Set, Tuple
 
 from memsaving.graph import GraphModel
-from memsaving.schedule import backward_units, kept_set
+from memsaving.schedule import backward_units, kept_set, recomputes_anchor
 from memsaving.simulate import BACKWARD_COST_FACTOR, Action, Key, Simulation, _replay
 
 Event = Tuple[str, int]
@@ -66,19 +66,21 @@ def plan_schedule(model: GraphModel, checkpoint_ops: Iterable[int] = (), drop_un
     """The events ``simulate(model, checkpoint_ops)`` scores, as a schedule.
 
     The forward pass, then each backward unit of the single-level plan: a
-    segment's recomputations (its anchor included) followed by its
-    gradients in reverse order.  Replayed by :func:`simulate_schedule` it
-    gives ``simulate``'s peak and costs.
+    segment's recomputations followed by its gradients in reverse order
+    (the kept anchor is not recomputed, except for the op types
+    :func:`memsaving.schedule.recomputes_anchor` names).  Replayed by
+    :func:`simulate_schedule` it gives ``simulate``'s peak and costs.
 
     With ``drop_unread``, recomputations whose outputs nothing reads before
-    the op runs again are left out (a segment's anchor when its gradient
-    does not read its output): what the plan would cost without them.
+    the op runs again are left out: what the plan would cost without them.
     """
     needed = gradient_ops(model)
     events = [("forward", i) for i in range(len(model.ops))]
     for unit in backward_units(model, kept_set(model, checkpoint_ops)):
         if unit.kind == "segment":
-            events += [("forward", i) for i in unit.ops]
+            # the kept anchor is not recomputed (schedule.recomputes_anchor)
+            events += [("forward", i) for i in unit.ops
+                       if i != unit.anchor or recomputes_anchor(model.ops[i].type)]
         events += [("backward", i) for i in reversed(unit.ops) if i in needed]
     return _without_unread(model, events) if drop_unread else events
 

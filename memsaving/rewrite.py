@@ -39,6 +39,7 @@ from tensorflow.python.util import object_identity
 
 from memsaving.aggregation import Gradient, aggregate, producing_ops
 from memsaving.forward import ForwardGraph, is_copyable, is_trainable
+from memsaving.schedule import recomputes_anchor
 
 GradientsFn = Callable[..., list]
 
@@ -238,9 +239,23 @@ class BackwardBuilder:
         results = self.gradients_fn(
             copied_outs, list(proxies.values()), grad_ys=out_grads, **self.gradient_kwargs
         )
+        if not recomputes_anchor(op.type):
+            self._read_kept_outputs(op, copies[op])
         for t, g in zip(boundary, results):
             self.grads.add(t, g)
         self.previous_results = [g for g in results if g is not None]
+
+    def _read_kept_outputs(self, op: tf.Operation, copy: tf.Operation) -> None:
+        """Point the gradient ops that read ``copy``'s outputs at the kept
+        outputs of ``op`` (or their rebuilt inner-checkpoint copies), so the
+        copy of the kept anchor has no reader and is never run."""
+        for original, copied in zip(op.outputs, copy.outputs):
+            kept = self.sources.get(original, original)
+            for consumer in list(copied.consumers()):
+                for index, value in enumerate(consumer.inputs):
+                    if value is copied:
+                        consumer._update_input(index, kept)  # pylint: disable=protected-access
+        self.recomputed_ops -= 1
 
     def _probe(self, label: str) -> None:
         """Let the probe observe the unit just built.

@@ -62,6 +62,25 @@ def closure(model: GraphModel, seeds: Iterable[int], kept: Set[int]) -> tuple:
     return tuple(sorted(found))
 
 
+_GRADIENT_REWRITES_FORWARD = frozenset({
+    "PartitionedCall", "StatefulPartitionedCall", "If", "StatelessIf", "While", "StatelessWhile",
+})
+
+
+def recomputes_anchor(op_type: str) -> bool:
+    """Whether a segment must recompute its anchor op as well.
+
+    A segment's anchor is kept, so its gradient can read the kept outputs
+    and only the anchor's non-kept inputs need recomputing: the simulator
+    scores that and the rewrite differentiates a copy of the anchor, then
+    points the gradient ops at the kept outputs, so the copy never runs.
+    Function calls and functional control flow are the exception: their
+    gradient functions add outputs (intermediates) to the op they
+    differentiate, which the kept original does not have.
+    """
+    return op_type in _GRADIENT_REWRITES_FORWARD
+
+
 Inner = Dict[int, Tuple[int, ...]]
 """Multi-level plans: segment anchor -> the inner checkpoints its backward
 recomputes first and holds while the sub-segments after them are processed."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from memsaving.graph import GraphModel
-from memsaving.schedule import Inner, Unit, backward_units, kept_set
+from memsaving.schedule import Inner, Unit, backward_units, kept_set, recomputes_anchor
 from memsaving.swap import CostModel, add_swaps, timed_replay
 
 Key = Tuple
@@ -203,6 +203,8 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List
             label = "recompute" if unit.kind == "segment" else "advance"
             for i in unit.ops:
                 op = model.ops[i]
+                if i == unit.anchor and unit.kind == "segment" and not recomputes_anchor(op.type):
+                    continue  # kept: its gradient reads the kept outputs
                 reads = [source(t, local) for t in op.inputs if tensors[t].producer >= 0]
                 # the copies wait on the anchor's output gradient
                 reads += [grad_key(t) for t in model.ops[unit.anchor].outputs if t in grad_version]

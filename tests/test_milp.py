@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from memsaving.budget import select_for_budget
+from memsaving.budget import plan_for_budget
 from memsaving.candidates import articulation
 from memsaving.errors import BudgetError
 from memsaving.exact import optimal_plan
@@ -73,12 +73,15 @@ def test_checkpoint_plans_replay_exactly_like_simulate():
                 _same(simulate_schedule(model, plan_schedule(model, plan)), simulate(model, list(plan)))
 
 
-def test_dropping_unread_recomputations_never_costs_more():
+def test_kept_anchors_are_not_recomputed_and_dropping_unread_never_costs_more():
     model = chain_model([300, 200, 500, 100, 400, 250], [1, 2, 3, 4, 5, 6], grad_reads="input")
     full = simulate(model, [2])
+    # the segment of kept op 2 recomputes ops 0 and 1 only: op 2's gradient
+    # reads its input, and its own output is kept
+    assert full.recompute_cost == pytest.approx(model.ops[0].cost + model.ops[1].cost)
     lean = simulate_schedule(model, plan_schedule(model, [2], drop_unread=True))
     assert lean.peak_bytes <= full.peak_bytes
-    assert lean.recompute_cost == pytest.approx(full.recompute_cost - model.ops[2].cost)
+    assert lean.recompute_cost <= full.recompute_cost
 
 
 def test_replay_rejects_invalid_schedules():
@@ -187,14 +190,13 @@ def test_milp_refuses_large_models():
         solve_milp(chain_model([10] * 130), 10 ** 6)
 
 
-def test_budget_selection_against_the_milp_optimum():
-    """The budget DP's total compute against the optimum over all schedules
-    (geometric mean over small chains and budgets).
+def test_budget_plans_against_the_milp_optimum():
+    """Total compute of ``plan_for_budget`` (what ``budget=`` runs: the cut
+    DP, its per-op refinements and multi-level plans) against the optimum
+    over all schedules, on small chains and budgets.
 
-    Measured: 1.065.  Issue 4 asks for at most 1.02; the gap comes from the
-    plan space (whole segments are recomputed from a checkpoint, including
-    their last op, while the MILP recomputes single ops), so this guards the
-    current quality against regressions, not the target.
+    Issue 4's target is a geometric mean within 2% of the optimum; measured
+    1.014 (the cut DP alone: 1.015 on the cases it solves).
     """
     ratios = []
     for model in _random_chains(6, 8, seed=6):
@@ -204,11 +206,14 @@ def test_budget_selection_against_the_milp_optimum():
             budget = int(plain.peak_bytes * fraction)
             result = solve_milp(model, budget, mip_rel_gap=GAP)
             try:
-                ops, _ = select_for_budget(model, candidates, budget)
+                chosen = plan_for_budget(model, candidates, budget)
             except BudgetError:
+                assert result is None, "the MILP has a schedule where memsaving finds none"
                 continue
             assert result is not None
-            ratios.append(simulate(model, ops).compute_ratio / result.compute_ratio)
-    assert len(ratios) >= 10
-    assert min(ratios) >= 1 - 1e-9, "the DP cannot beat the MILP on chains"
-    assert float(np.exp(np.mean(np.log(ratios)))) <= 1.08, sorted(ratios)
+            sim = simulate(model, chosen.checkpoint_ops, inner=chosen.inner)
+            assert sim.peak_bytes <= budget
+            ratios.append(sim.compute_ratio / result.compute_ratio)
+    assert len(ratios) >= 15
+    assert min(ratios) >= 1 - GAP, "no plan beats the optimum (up to the MILP's gap)"
+    assert float(np.exp(np.mean(np.log(ratios)))) <= 1.02, sorted(ratios)

@@ -134,3 +134,45 @@ def test_plan_explain_in_a_traced_function(capsys):
     step.get_concrete_function(tf.TensorSpec([BATCH, WIDTH]))
     out = capsys.readouterr().out
     assert "memsaving plan (memory)" in out and "recompute MFLOP" in out
+
+
+@pytest.fixture
+def without_arithmetic_optimizer():
+    """Grappler's arithmetic optimizer off for one test, restored after."""
+    before = tf.config.optimizer.get_experimental_options()
+    tf.config.optimizer.set_experimental_options({"arithmetic_optimization": False})
+    yield
+    tf.config.optimizer.set_experimental_options(
+        {"arithmetic_optimization": before.get("arithmetic_optimization", True)})
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.85])
+def test_budget_plans_on_a_residual_net_fit_when_measured(fraction, without_arithmetic_optimizer):
+    """Budget plans on a residual net, measured.
+
+    With Grappler's arithmetic optimizer on, this net's budget plans measure
+    7.1 MiB (0.6 of the peak) and 7.9 MiB (0.85) against 4.75 and 6.75 MiB
+    predicted: the optimizer reorders the inputs of commutative ops (the
+    residual additions), and the executor then keeps more alive.  Without it
+    they measure 4.63 and 6.63 MiB.  This test pins the second figure; the
+    first is a known limitation (README, "Limits").
+    """
+    ws = _weights(30, seed=200)
+    plain_plan, plain_measured, _ = _measure(residual, ws, None)
+    resident = plain_plan.resident_bytes
+    budget = resident + int(fraction * (plain_plan.plain_peak - resident))
+    plan, measured, _ = _measure(residual, ws, "memory", budget=budget)
+    predicted = plan.predicted_peak - resident
+    print(f"residual at {fraction}: {len(plan.checkpoints)} checkpoints, predicted {predicted / 2**20:.2f} MiB, "
+          f"measured {measured / 2**20:.2f} MiB (plain {plain_measured / 2**20:.2f}), "
+          f"compute {plan.predicted_compute:.3f}")
+    assert plan.predicted_peak <= budget
+    assert abs(measured - predicted) <= 0.15 * measured
+
+    @tf.function
+    def both(x):
+        loss, _ = residual(x, ws)
+        return tf.gradients(loss, ws), memsaving.gradients(loss, ws, budget=budget)
+
+    plain_grads, budget_grads = both(tf.random.normal([BATCH, WIDTH], seed=7))
+    assert_close([g.numpy() for g in plain_grads], [g.numpy() for g in budget_grads])

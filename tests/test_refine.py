@@ -1,0 +1,78 @@
+"""Per-op keep/recompute refinement of plans (memsaving.refine), without TensorFlow."""
+
+import random
+
+from memsaving.budget import plan_for_budget, select_for_budget
+from memsaving.errors import BudgetError
+from memsaving.graph import chain_model
+from memsaving.refine import drop_from_keep_all, keep_more, recomputed_ops
+from memsaving.simulate import simulate
+
+
+def _chains(count, seed):
+    rng = random.Random(seed)
+    for _ in range(count):
+        n = rng.randint(6, 14)
+        sizes = [rng.choice([100, 200, 400, 800]) for _ in range(n)]
+        costs = [rng.choice([1, 2, 10, 40]) for _ in range(n)]
+        yield chain_model(sizes, costs, grad_reads=rng.choice(["input", "output", "both"]))
+
+
+def test_keep_more_fits_and_never_recomputes_more():
+    for model in _chains(8, seed=1):
+        plain = simulate(model).peak_bytes
+        budget = int(0.75 * plain)
+        try:
+            start, _ = select_for_budget(model, list(range(len(model.ops) - 1)), budget)
+        except BudgetError:
+            continue
+        before = simulate(model, start)
+        ops, sim = keep_more(model, start, budget)
+        assert set(start) <= set(ops)
+        assert sim.peak_bytes <= budget
+        assert sim.recompute_cost <= before.recompute_cost
+        assert sim.peak_bytes == simulate(model, ops).peak_bytes
+
+
+def test_keeping_every_op_recomputes_nothing():
+    model = chain_model([300, 200, 500, 100, 400], [5, 1, 5, 1, 5], grad_reads="input")
+    everything = list(range(len(model.ops)))
+    assert recomputed_ops(model, everything) == set()
+    sim = simulate(model, everything)
+    assert sim.recompute_cost == 0
+    assert sim.peak_bytes == simulate(model).peak_bytes
+
+
+def test_drop_from_keep_all_recomputes_cheap_ops_first():
+    # big cheap tensors (elementwise-like) between small expensive ones
+    # (matmul-like): fitting the budget should recompute the cheap ones only
+    sizes = [100, 800, 100, 800, 100, 800, 100]
+    costs = [50, 1, 50, 1, 50, 1, 50]
+    model = chain_model(sizes, costs, grad_reads="input")
+    plain = simulate(model).peak_bytes
+    found = drop_from_keep_all(model, int(0.8 * plain))
+    assert found is not None
+    ops, sim = found
+    assert sim.peak_bytes <= 0.8 * plain
+    dropped = set(range(len(model.ops))) - set(ops)
+    assert dropped and all(costs[i] == 1 for i in dropped)
+
+
+def test_per_op_refinement_never_makes_budget_plans_worse():
+    for model in _chains(10, seed=2):
+        plain = simulate(model).peak_bytes
+        candidates = list(range(len(model.ops) - 1))
+        for fraction in (0.5, 0.7, 0.9):
+            budget = int(fraction * plain)
+            try:
+                coarse = plan_for_budget(model, candidates, budget, per_op=False)
+            except BudgetError:
+                coarse = None
+            try:
+                fine = plan_for_budget(model, candidates, budget)
+            except BudgetError:
+                assert coarse is None, "refinement lost a feasible plan"
+                continue
+            assert fine.peak <= budget
+            if coarse is not None:
+                assert fine.recompute_cost <= coarse.recompute_cost + 1e-9
