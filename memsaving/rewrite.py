@@ -231,8 +231,14 @@ class BackwardBuilder:
         prefix = f"recompute_{self.segments}/"
         boundary = self._boundary(ops)
         proxies = object_identity.ObjectIdentityDictionary()
+        # A kept anchor whose inputs are all kept recomputes nothing (its copy
+        # never runs): then its proxies wait instead, or nothing would hold
+        # the unit back and the executor may defer the previous unit's
+        # weight gradients to the end of the step (measured on residual
+        # nets with Grappler's arithmetic optimizer on).
+        nothing_recomputed = len(ops) == 1 and not recomputes_anchor(op.type)
         for t in boundary:
-            with tf.device(t.op.device):
+            with tf.device(t.op.device), tf.control_dependencies(wait_for if nothing_recomputed else []):
                 proxies[t] = tf.identity(self.sources.get(t, t), name=f"segment_inputs_{self.segments}/proxy")
         copies = self._copy_ops(ops, proxies, wait_for, prefix)
         copied_outs = [copies[op].outputs[t.value_index] for t in outs]
