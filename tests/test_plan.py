@@ -72,11 +72,7 @@ def _measure(forward, ws, checkpoints, budget=None):
     return plan, measured, float(value)
 
 
-# "memory" on two_tower is left out: it measures 2.9-3.1 MiB against a
-# predicted 2.5 MiB depending on the process (15-19% off).  Replaying the
-# executor's real op order with the ops' output sizes gives exactly 2.5 MiB,
-# so the gap is allocations the model does not see (kernel temporaries).
-CASES = [(m, c) for m in MODELS for c in (None, "model")] + [(m, "memory") for m in MODELS if m[0] is not two_tower]
+CASES = [(m, c) for m in MODELS for c in (None, "model", "memory")]
 
 
 @pytest.mark.parametrize("model, checkpoints", CASES, ids=[f"{c}-{m[0].__name__}" for m, c in CASES])
