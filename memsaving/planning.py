@@ -74,6 +74,10 @@ class Plan:
     plain_seconds: Optional[float] = None
     steps: List[Tuple[str, str, Tuple[str, ...]]] = field(default_factory=list, repr=False)
     simulation: Optional[Simulation] = field(default=None, repr=False)
+    never_recomputed: List[str] = field(default_factory=list)
+    """Forward ops that cannot be copied safely (stateful, random; variable
+    reads are left out): kept from the forward pass and differentiated
+    where they are."""
 
     def explain(self, file: Optional[TextIO] = None) -> str:
         """Print a readable table of the plan (to ``file``, default stdout) and return it."""
@@ -108,6 +112,10 @@ class Plan:
             anchor = s.anchor if len(s.anchor) <= 40 else "..." + s.anchor[-37:]
             out.write(f"{n:>3}  {s.kind:8} {anchor:40} {s.ops:>5} {s.kept_bytes / mib:>9.2f} "
                       f"{s.recompute_cost / 1e6:>16.2f}\n")
+        if self.never_recomputed:
+            shown = ", ".join(self.never_recomputed[:8])
+            more = f" and {len(self.never_recomputed) - 8} more" if len(self.never_recomputed) > 8 else ""
+            out.write(f"\nkept, never recomputed (stateful or random ops): {shown}{more}\n")
         if self.swapped:
             out.write("\nswapped to host (kept off the device between the passes):\n")
             out.write(f"{'tensor':50} {'MiB':>8} {'transfer ms':>12}\n")
@@ -170,6 +178,8 @@ def make_plan(
         budget=budget,
         resident_bytes=model.resident_bytes,
         inner_checkpoints={model.ops[a].name: [model.ops[i].name for i in v] for a, v in sorted(inner.items())},
+        never_recomputed=[op.name for op in model.ops
+                          if op.forward and not op.copyable and op.type != "ReadVariableOp"],
         swapped=[model.tensors[t].name for t in swapped],
         swapped_bytes=[model.tensors[t].nbytes for t in swapped],
         transfer_seconds=[model.tensors[t].nbytes / cost.bandwidth for t in swapped] if swapped else [],

@@ -283,3 +283,30 @@ def test_xs_that_ys_do_not_depend_on_get_none_like_tf_gradients():
 
     plain, ours = step(tf.ones([4, 16]))
     assert [g is None for g in plain] == [g is None for g in ours] == [False, True, True]
+
+
+def test_the_plan_names_ops_it_never_recomputes():
+    """A stateful call between xs and ys (it updates a counter and draws
+    random numbers) is kept whole, and the plan says so."""
+    ws = _mlp_weights(4)
+    counter = tf.Variable(0.0)
+    captured = {}
+
+    @tf.function
+    def side_effect(h):
+        counter.assign_add(1.0)
+        return h * 2.0 + tf.random.uniform(tf.shape(h), seed=3)
+
+    @tf.function
+    def step(x):
+        h = tf.tanh(tf.matmul(x, ws[0]))
+        h = side_effect(tf.tanh(tf.matmul(h, ws[1])))
+        h = tf.tanh(tf.matmul(tf.tanh(tf.matmul(h, ws[2])), ws[3]))
+        loss = tf.reduce_sum(h)
+        captured["plan"] = memsaving.plan(loss, ws, checkpoints="memory")
+        return memsaving.gradients(loss, ws, checkpoints="memory")
+
+    step(tf.ones([8, 16]))
+    plan = captured["plan"]
+    assert [name for name in plan.never_recomputed if "StatefulPartitionedCall" in name], plan.never_recomputed
+    assert "kept, never recomputed (stateful or random ops)" in plan.table()
