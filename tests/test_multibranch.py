@@ -163,8 +163,4 @@ def test_predicted_peak_within_15_percent_on_multibranch_models(name):
         plan, measured = _predicted_and_measured(forward, ws, **kwargs)
         predicted = plan.predicted_peak - resident
         print(f"{name} {kwargs}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
-        if name == "towers" and kwargs.get("checkpoints") == "memory":
-            # measured 3.38 MiB against 3.00 predicted in a fresh process,
-            # 3.56 after other tests (11-16% off): a known gap, not asserted
-            continue
         assert abs(predicted - measured) <= 0.15 * measured, kwargs

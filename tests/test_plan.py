@@ -140,7 +140,7 @@ def test_budget_plans_on_a_residual_net_fit_when_measured(fraction):
     and nothing then made the backward pass wait for the previous unit's
     weight gradients; with Grappler's arithmetic optimizer on, the executor
     deferred them to the end of the step (7.1 MiB measured against 4.75 MiB
-    predicted at 0.6).  Segment inputs now wait too.
+    predicted at 0.6).  Units that wait for nothing now pass the wait on.
     """
     ws = _weights(30, seed=200)
     plain_plan, plain_measured, _ = _measure(residual, ws, None)
