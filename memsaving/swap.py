@@ -88,6 +88,7 @@ def add_swaps(actions: Sequence, model: GraphModel, swapped: Iterable[int], forw
     before: Dict[int, list] = {}
     renamed: Dict[Tuple[int, int], Tuple] = {}  # (action index, tensor) -> key it reads instead
     waits: Dict[int, list] = {}  # forward action index -> swap-outs it waits for
+    planned = []  # (first reader, tensor, group index, group)
     for t in sorted(swapped):
         info = model.tensors[t]
         readers = [i for i in range(forward_end + 1, len(actions)) if ("f", t) in actions[i].reads]
@@ -104,12 +105,24 @@ def add_swaps(actions: Sequence, model: GraphModel, swapped: Iterable[int], forw
             else:
                 groups[-1].append(i)
         for k, group in enumerate(groups):
-            key = ("s", t, k)
-            at = max(group[0] - cost.lb, forward_end + 1)
-            before.setdefault(at, []).append(
-                Action(f"swap-in {info.name}", [("h", t)], [(key, info.nbytes)], float(info.nbytes), stream="h2d"))
+            planned.append((group[0], t, k, group))
             for i in group:
-                renamed[i, t] = key
+                renamed[i, t] = ("s", t, k)
+    # a swap-in starts lb actions before its first reader, and not before
+    # the readers of the swap-in before it that come earlier (the emitter
+    # makes it wait for them: memsaving.swap_rewrite)
+    planned.sort(key=lambda item: item[0])
+    previous: List[int] = []
+    for first, t, k, group in planned:
+        info = model.tensors[t]
+        at = max(first - cost.lb, forward_end + 1)
+        earlier = [i for i in previous if i < first]
+        if earlier:
+            at = max(at, max(earlier) + 1)
+        before.setdefault(at, []).append(
+            Action(f"swap-in {info.name}", [("h", t)], [(("s", t, k), info.nbytes)], float(info.nbytes),
+                   stream="h2d"))
+        previous = group
     result = []
     for i, action in enumerate(actions):
         result.extend(before.get(i, ()))

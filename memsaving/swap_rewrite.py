@@ -173,7 +173,45 @@ def insert_swaps(
             entry["triggers"].append(trigger)
             entry["consumers"].append(group)
         report.append(entry)
+    _wait_for_earlier_swap_ins(report, level)
     return report
+
+
+def _wait_for_earlier_swap_ins(report: List[dict], level: Dict[tf.Operation, int]) -> None:
+    """Each swap-in also waits for the consumers of the swap-in before it
+    (in backward order) that come earlier than its own first consumer.
+
+    Nothing else makes TensorFlow run those consumers promptly: a weight
+    gradient that reads a swapped-in activation feeds only the end of the
+    step, and the executor may defer it, holding every swapped-in tensor
+    until then.  Only ops at lower levels than the swap-in's own consumers
+    are waited on, and none that depends on the swap-in (through the
+    segments' own waits it could), so no cycle is made."""
+    swap_ins = []
+    for entry in report:
+        for swap_in, group in zip(entry["swap_ins"], entry["consumers"]):
+            first = min(level.get(op, 1 << 30) for op in group)
+            swap_ins.append((first, swap_in, group))
+    swap_ins.sort(key=lambda item: item[0])
+    for (_, _, earlier), (first, swap_in, _) in zip(swap_ins, swap_ins[1:]):
+        waits = [op for op in earlier if level.get(op, 1 << 30) < first]
+        if waits:
+            after = _descendants(swap_in.op)
+            waits = [op for op in waits if op not in after]  # never a cycle
+        if waits:
+            swap_in.op._add_control_inputs(waits)  # pylint: disable=protected-access
+
+
+def _descendants(op: tf.Operation) -> set:
+    """Ops that depend on ``op`` (through data or control edges)."""
+    found, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for nxt in [c for out in current.outputs for c in out.consumers()] + list(current._control_outputs):  # pylint: disable=protected-access
+            if nxt not in found:
+                found.add(nxt)
+                stack.append(nxt)
+    return found
 
 
 def _forward_waiters(tensor: tf.Tensor, slack: int, forward: set) -> List[tf.Operation]:
