@@ -14,7 +14,11 @@ outputs back to the inputs:
   gradients made by the unit built just before, so they run only when the
   backward pass reaches this segment (and after the previous segment's weight
   gradients, which the executor would otherwise defer), and their memory is
-  freed right after.  ``tf.gradients`` is then called on the copies alone.
+  freed right after.  ``tf.gradients`` is then called on the copies alone,
+  and the gradient ops that read the copy of ``P`` itself are pointed at
+  ``P``'s kept outputs, so that copy never runs (``P`` is not recomputed,
+  except for function calls and functional control flow, whose gradients
+  need outputs the kept original lacks).
 * one **pass-through unit** per non-copyable kept op (stateful ops, control
   flow), and per kept op whose inputs are all kept (nothing to recompute):
   the original op is differentiated directly.
