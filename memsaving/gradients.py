@@ -12,6 +12,7 @@ import logging
 import warnings
 from typing import Callable, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.ops import control_flow_util, resource_variable_ops
@@ -203,20 +204,78 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
 
 
 def _graph_tensors(ys: list, xs: list):
-    """Variables to tensors the way tf.gradients converts them (handles for xs)."""
+    """Variables to tensors the way tf.gradients converts them (handles for xs).
+
+    An ``x`` from an enclosing graph (a nested tf.function that closes over a
+    tensor of the outer function) is replaced by the placeholder that captures
+    it in this graph, as tf.gradients follows captures: the forward ops read
+    the placeholder, not the outer tensor.  Tensors of an unrelated graph are
+    refused with advice.
+    """
+    graph = tf.compat.v1.get_default_graph()
     ys = [y.read_value() if isinstance(y, tf.Variable) else y for y in ys]
     xs = [x.handle if resource_variable_ops.is_resource_variable(x) else x for x in xs]
     xs = indexed_slices.internal_convert_n_to_tensor_or_indexed_slices(xs, name="x", as_ref=True)
     ys = indexed_slices.convert_n_to_tensor_or_indexed_slices(ys, name="y")
+    _check_same_graph(ys, graph, "ys")
+    _check_same_graph(xs, graph, "xs")
+    xs = [_captured_in(x, graph) for x in xs]
     return ys, xs
+
+
+def _enclosing_graphs(graph) -> list:
+    """``graph`` and the graphs it is nested in (outer tf.functions), innermost first."""
+    chain = []
+    while graph is not None:
+        chain.append(graph)
+        graph = getattr(graph, "outer_graph", None)
+    return chain
+
+
+def _check_same_graph(tensors: list, graph, what: str) -> None:
+    chain = _enclosing_graphs(graph)
+    for t in tensors:
+        t_graph = getattr(t, "graph", None)
+        if t_graph is not None and not any(t_graph is g for g in chain):
+            raise ValueError(
+                f"memsaving.gradients: {what} tensor {t.name} belongs to another graph than the one "
+                "memsaving.gradients is called in. Compute ys and xs inside the same tf.function "
+                "(or tf.compat.v1 graph) that calls memsaving.gradients."
+            )
+
+
+def _captured_in(x, graph):
+    """The tensor of ``graph`` that stands for ``x`` (``x`` itself when it is
+    in ``graph``, or when no graph between it and ``graph`` captured it)."""
+    chain = _enclosing_graphs(graph)
+    if not isinstance(x, tf.Tensor) or x.graph is graph or not any(x.graph is g for g in chain):
+        return x
+    inner_graphs = []
+    for g in chain:
+        if g is x.graph:
+            break
+        inner_graphs.append(g)
+    for g in reversed(inner_graphs):  # outermost first
+        internal = next((inside for outside, inside in getattr(g, "captures", ()) if outside is x), None)
+        if internal is None:
+            return x  # never read inside: ys cannot depend on it, its gradient is None
+        x = internal
+    return x
+
+
+def _swap_distance(kwargs, key: str, default: int) -> int:
+    value = kwargs.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{key} must be an int number of topological levels (default {default}), got {value!r}")
+    return int(value)
 
 
 def _swap_options(kwargs) -> SwapOptions:
     return SwapOptions(
         device=kwargs.get("swap_device") or "/CPU:0",
         trigger=kwargs.get("swap_trigger") or "direct",
-        lb=int(kwargs.get("swap_lb", 3)),
-        ub=int(kwargs.get("swap_ub", 30)),
+        lb=_swap_distance(kwargs, "swap_lb", 3),
+        ub=_swap_distance(kwargs, "swap_ub", 30),
         fuse=bool(kwargs.get("swap_fuse", True)),
     )
 
@@ -273,8 +332,23 @@ def _hybrid_plan(model, fwd, checkpoints, budget, kwargs, keep_x) -> Plan:
                      swapped=result.best.swapped, cost=cost, inplace=True)
 
 
+def _check_checkpoints_argument(checkpoints) -> None:
+    """``checkpoints=None`` or a number would fail deep inside with "object is
+    not iterable"; say what the argument takes instead."""
+    if isinstance(checkpoints, (str, tf.Tensor, tf.Variable)):
+        return
+    try:
+        iter(checkpoints)
+    except TypeError:
+        raise TypeError(
+            f"checkpoints={checkpoints!r} is not supported: pass a list of tensors, or one of "
+            "'collection' (the default), 'speed', 'memory'; use checkpoints=[] to keep nothing extra"
+        ) from None
+
+
 def _plan(ys, xs, checkpoints, budget, kwargs) -> tuple:
     """Forward graph and plan shared by ``gradients`` and ``plan``."""
+    _check_checkpoints_argument(checkpoints)
     stop_gradients = _as_list(kwargs.get("stop_gradients") or [])
     fwd = forward_graph(xs, ys, stop_gradients)
     model = graph_model(fwd, batch_size=int(kwargs.get("batch_size") or 1))

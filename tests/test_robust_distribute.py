@@ -1,0 +1,87 @@
+"""tf.distribute.MirroredStrategy over the two logical CPUs (issue 8, item 4).
+
+memsaving.gradients inside strategy.run on a Keras conv model with
+BatchNorm, applying the gradients in the replica context: the same weights
+as tf.gradients under the same strategy, and every op memsaving copies for
+recomputation sits on its replica's device.  (memsaving.keras.enable +
+model.fit under strategy.scope() is in test_robustness.py.)
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsaving
+
+DEVICES = ["/CPU:0", "/CPU:1"]
+
+
+def _model():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8, 8, 2))
+    h = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inp)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Conv2D(4, 3, padding="same", activation="tanh")(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    h = keras.layers.Dense(8, activation="relu")(h)
+    return keras.Model(inp, keras.layers.Dense(1)(h))
+
+
+@pytest.mark.parametrize("checkpoints", ["memory", "speed", "budget"])
+def test_strategy_run_with_keras_model_and_optimizer(checkpoints):
+    import keras
+
+    # ReductionToOneDevice: no collective ops, whose instance keys would
+    # collide with other MirroredStrategy objects of the same process
+    strategy = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=tf.distribute.ReductionToOneDevice())
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((8, 8, 8, 2)).astype("float32")
+    y = rng.standard_normal((8, 1)).astype("float32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    results, graphs = {}, []
+    for use_memsaving in (False, True):
+        with strategy.scope():
+            model = _model()
+            optimizer = keras.optimizers.SGD(0.1)
+            optimizer.build(model.trainable_variables)
+
+        def replica_step(xb, yb):
+            loss = tf.reduce_mean((model(xb, training=True) - yb) ** 2) / strategy.num_replicas_in_sync
+            ws = model.trainable_variables
+            if not use_memsaving:
+                grads = tf.gradients(loss, ws)
+            elif checkpoints == "budget":
+                plain = memsaving.plan(loss, ws, checkpoints=[])
+                try:
+                    grads = memsaving.gradients(loss, ws, budget=int(0.7 * plain.predicted_peak),
+                                                checkpoints="memory")
+                except memsaving.BudgetError as error:
+                    grads = memsaving.gradients(loss, ws, budget=error.smallest_budget, checkpoints="memory")
+            else:
+                grads = memsaving.gradients(loss, ws, checkpoints=checkpoints)
+            graphs.append(loss.graph)
+            optimizer.apply_gradients(zip(grads, ws))
+            return loss
+
+        @tf.function
+        def step(batch):
+            losses = strategy.run(replica_step, args=batch)
+            return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+
+        loss = step(next(iter(strategy.experimental_distribute_dataset(dataset))))
+        results[use_memsaving] = (float(loss), [v.numpy() for v in model.weights])
+    np.testing.assert_allclose(results[True][0], results[False][0], rtol=1e-6)
+    for a, b in zip(results[False][1], results[True][1]):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+    graph = graphs[-1]
+    copies = [op for op in graph.get_operations() if "/recompute" in op.name]
+    assert copies, "something was recomputed"
+    by_replica = {}
+    for op in copies:
+        replica = 1 if "replica_1" in op.name else 0
+        index = tf.DeviceSpec.from_string(op.device).device_index if op.device else None
+        by_replica.setdefault(replica, set()).add(index)
+    assert by_replica == {0: {0}, 1: {1}}, by_replica
