@@ -15,6 +15,7 @@ after the last checkpoint is differentiated in place and costs nothing).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -50,6 +51,8 @@ def parse_bytes(value: Union[int, float, str]) -> int:
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         result = int(value)
     elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"memory budget must be a finite number of bytes or a string like '2GiB', got {value!r}")
         result = int(value)
     elif isinstance(value, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)

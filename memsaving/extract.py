@@ -39,6 +39,15 @@ GRAD_READS_NOTHING = frozenset({
     "Squeeze", "StopGradient", "Cast", "StridedSlice", "Slice", "Pad", "ReadVariableOp",
     "Snapshot", "Shape",
 })
+FORWARDS_INPUT_OPS = frozenset({
+    "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Exp", "Log", "Neg", "Sqrt", "Rsqrt",
+    "Square", "Abs", "Sin", "Cos", "Reciprocal", "Softplus", "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div",
+    "Maximum", "Minimum", "SquaredDifference", "Pow", "BiasAdd", "AddN",
+})
+"""Elementwise ops whose kernels, and whose gradients' kernels, write into
+an input's buffer when nothing else reads it (so ``tanh(matmul(x, w))``
+holds one buffer, not two); measured: it brings the predicted peak of a
+swapping MLP from 1.00 to 0.75 MiB, the 0.76 MiB the allocator reports."""
 MATMUL_OPS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
 CONV_OPS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative"})
 
@@ -124,12 +133,15 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
         if key not in ids:
             ids[key] = len(ids)
             nbytes = tensor_bytes(t, batch_size)
+            value_bytes = None
             if producer >= 0 and ops[producer].type in ALIASING_OPS:
-                nbytes = 0
+                nbytes, value_bytes = 0, nbytes
             if producer < 0:
                 resident += _external_bytes(t, batch_size)
+                if t.dtype == tf.resource:
+                    value_bytes = _external_bytes(t, batch_size)
             constant = producer < 0 and (t.op.type in ("Const", "VarHandleOp") or t.dtype == tf.resource)
-            tensors[ids[key]] = TensorInfo(t.name, nbytes, producer, is_trainable(t), constant)
+            tensors[ids[key]] = TensorInfo(t.name, nbytes, producer, is_trainable(t), constant, value_bytes)
         return ids[key]
 
     position = {op: i for i, op in enumerate(ops)}
@@ -142,10 +154,12 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
             name=op.name, type=op.type, inputs=inputs, outputs=outputs,
             forward=fwd.contains_op(op), copyable=is_copyable(op),
             grad_reads=reads, cost=op_flops(op, batch_size),
+            forwards_input=op.type in FORWARDS_INPUT_OPS or op.type in ALIASING_OPS,
         ))
     xs = [tensor_id(x, position.get(x.op, -1)) for x in fwd.xs]
     ys = [tensor_id(y, position.get(y.op, -1)) for y in fwd.ys]
-    return GraphModel(infos, tensors, xs, ys, resident if resident_bytes is None else resident_bytes)
+    return GraphModel(infos, tensors, xs, ys, resident if resident_bytes is None else resident_bytes,
+                      separate_result_kernels=True)
 
 
 def _external_bytes(t: tf.Tensor, batch_size: int) -> int:

@@ -11,8 +11,8 @@ forward tensors backprop keeps alive, which is what checkpointing saves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,15 @@ class TensorInfo:
     producer: int = -1
     trainable: bool = True
     constant: bool = False  # an external tensor that is not data: a constant or a variable handle
+    value_bytes: Optional[int] = None
+    """Bytes of the value when ``nbytes`` is 0 because the tensor shares
+    another buffer (a view, a variable read, a variable handle)."""
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes of this tensor's gradient: a buffer of its own, even when
+        the tensor is a view."""
+        return self.nbytes if self.value_bytes is None else self.value_bytes
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,10 @@ class OpInfo:
       copyable: recomputing it gives the same values (not stateful).
       grad_reads: the tensors (inputs or outputs) its gradient function reads.
       cost: compute cost in arbitrary units (FLOPs by default).
+      forwards_input: an elementwise op: its kernel, and its gradient's
+        kernels, write an output into the buffer of an input of the same
+        size that nothing reads afterwards, allocating nothing
+        (TensorFlow's ``forward_input_or_allocate_output``).
     """
 
     name: str
@@ -45,6 +58,7 @@ class OpInfo:
     copyable: bool = True
     grad_reads: Tuple[int, ...] = ()
     cost: float = 1.0
+    forwards_input: bool = False
 
 
 @dataclass
@@ -58,6 +72,12 @@ class GraphModel:
       ys: tensor ids being differentiated.
       resident_bytes: memory in use before the step starts (parameters,
         inputs), included in every predicted peak.
+      separate_result_kernels: an op's gradient with respect to an ``x`` (a
+        weight gradient) is made by a kernel of its own and, unless the
+        caller keeps the results, consumed before the op's other gradient
+        kernels allocate (TensorFlow, see
+        :func:`memsaving.simulate.consumed_at_once`); otherwise all of an
+        op's gradients are held together, as Checkmate's MILP counts them.
     """
 
     ops: List[OpInfo]
@@ -65,6 +85,7 @@ class GraphModel:
     xs: List[int]
     ys: List[int]
     resident_bytes: int = 0
+    separate_result_kernels: bool = False
     _consumers: Optional[Dict[int, List[int]]] = field(default=None, repr=False)
 
     def consumers(self, tensor: int) -> List[int]:
@@ -85,6 +106,33 @@ class GraphModel:
 
     def activation_bytes(self) -> int:
         return sum(self.tensors[t].nbytes for op in self.ops if op.forward for t in op.outputs)
+
+
+def gradient_sinks(model: GraphModel) -> Set[int]:
+    """The tensors whose gradients are results: ``xs``, and the views of
+    ``xs`` (a variable's read, an Identity of an x).
+
+    TensorFlow's gradient of a view is the gradient of its output itself, so
+    the gradient made where a variable's read is consumed (a weight gradient)
+    is already the variable's: no op waits for the rest of the backward pass
+    before it is handed on."""
+    xs = set(model.xs)
+    sinks = set(xs)
+    for op in model.ops:
+        if op.inputs and all(t in xs for t in op.inputs) and all(
+                model.tensors[t].nbytes == 0 and model.tensors[t].value_bytes is not None for t in op.outputs):
+            sinks.update(op.outputs)
+    return sinks
+
+
+def without_forwarding(model: GraphModel) -> GraphModel:
+    """``model`` with no op writing into its inputs' buffers (every output a
+    new buffer) and an op's gradients held together.  Checkmate's MILP (:mod:`memsaving.milp`) counts memory this
+    way, so plans compared against it are scored on this model."""
+    if not any(op.forwards_input for op in model.ops) and not model.separate_result_kernels:
+        return model
+    ops = [replace(op, forwards_input=False) for op in model.ops]
+    return GraphModel(ops, model.tensors, list(model.xs), list(model.ys), model.resident_bytes)
 
 
 def validate_model(model: GraphModel) -> None:

@@ -91,7 +91,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from memsaving.graph import GraphModel
+from memsaving.graph import GraphModel, gradient_sinks, without_forwarding
 from memsaving.replay import Event, gradient_ops, plain_schedule, schedule_actions, simulate_schedule
 from memsaving.simulate import BACKWARD_COST_FACTOR, Action, Simulation, _replay
 
@@ -174,7 +174,7 @@ def _gradient_profile(model: GraphModel, keep_x_gradients: bool) -> Tuple[List[i
         reads = [k for k in a.reads if k[0] == "g"]
         writes = [(k, b) for k, b in a.writes if k[0] == "g"]
         probed += [Action(a.label, reads, writes), Action("probe", reads + [k for k, _ in writes], [])]
-    pinned = {("g", x) for x in model.xs} if keep_x_gradients else set()
+    pinned = {("g", x) for x in gradient_sinks(model)} if keep_x_gradients else set()
     timeline, _ = _replay(probed, pinned)
     during, after = timeline[0::2], timeline[1::2]
     # actions[0] is the seed; actions[1 + s] is backward node s
@@ -514,7 +514,13 @@ def run_milp(
     max_nodes: int = MAX_NODES,
     mip_rel_gap: float = 1e-4,
 ) -> MilpOutcome:
-    """:func:`solve_milp` with the solver's status, time and program size."""
+    """:func:`solve_milp` with the solver's status, time and program size.
+
+    The MILP's memory rows give every output a new buffer, so the model is
+    solved and replayed without in-place forwarding
+    (:func:`memsaving.graph.without_forwarding`); compare other plans on
+    that model too."""
+    model = without_forwarding(model)
     graph = training_graph(model, keep_x_gradients)
     if graph.node_count > max_nodes:
         raise ValueError(
@@ -606,8 +612,9 @@ def schedule_of(form: _Formulation, x: np.ndarray) -> List[Event]:
 def peak_lower_bound(model: GraphModel, keep_x_gradients: bool = False) -> int:
     """A peak no schedule can go below: every forward op needs its inputs and
     outputs at once, and every gradient op its forward reads and the
-    gradient buffers alive while it runs (resident memory included)."""
-    g = training_graph(model, keep_x_gradients)
+    gradient buffers alive while it runs (resident memory included), on
+    the model without in-place forwarding, as :func:`run_milp` solves it."""
+    g = training_graph(without_forwarding(model), keep_x_gradients)
     forward = [g.sizes[k] + sum(g.sizes[i] for i in g.deps[k]) for k in range(g.forward_count)]
     backward = [g.grad_during[s] + sum(g.sizes[i] for i in g.backward_deps[s]) for s in range(len(g.backward_ops))]
     return model.resident_bytes + max(forward + backward + [0])

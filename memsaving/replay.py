@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Sequence, Set, Tuple
 
-from memsaving.graph import GraphModel
+from memsaving.graph import GraphModel, gradient_sinks
 from memsaving.schedule import backward_units, kept_set, recomputes_anchor
 from memsaving.simulate import BACKWARD_COST_FACTOR, Action, Key, Simulation, _replay
 
@@ -33,15 +33,18 @@ Event = Tuple[str, int]
 def gradient_ops(model: GraphModel) -> Set[int]:
     """Ops whose gradient runs: forward ops with an output that receives a
     gradient (from the loss seed or a consumer's gradient), by the rule of
-    ``simulate``: a gradient flows into an input that is in ``xs`` or is
-    produced by a forward op, when the input is trainable."""
-    xs = set(model.xs)
+    ``simulate``: a gradient flows into an input that is a gradient sink
+    (:func:`memsaving.graph.gradient_sinks`) or is produced by a forward op,
+    when the input is trainable.  Views of ``xs`` run no gradient."""
+    xs = gradient_sinks(model)
     has_grad = {y for y in model.ys if model.tensors[y].trainable}
     found = set()
     for i in range(len(model.ops) - 1, -1, -1):
         op = model.ops[i]
         if not op.forward or not any(t in has_grad for t in op.outputs):
             continue
+        if op.outputs and all(t in xs and t not in model.xs for t in op.outputs):
+            continue  # a view of xs: its output's gradient is the result
         found.add(i)
         for t in op.inputs:
             if _receives_gradient(model, t, xs):
@@ -121,7 +124,7 @@ def simulate_schedule(model: GraphModel, events: Iterable[Event], keep_x_gradien
         leaves an op never computed or a needed gradient never run.
     """
     actions = schedule_actions(model, list(events))
-    pinned = {("g", x) for x in model.xs} if keep_x_gradients else set()
+    pinned = {("g", x) for x in gradient_sinks(model)} if keep_x_gradients else set()
     timeline, peak = _replay(actions, pinned)
     recompute = sum(a.cost for a in actions if a.label.startswith("recompute "))
     return Simulation(
@@ -140,7 +143,7 @@ class _Gradients:
 
     def __init__(self, model: GraphModel):
         self.model = model
-        self.xs = set(model.xs)
+        self.xs = gradient_sinks(model)
         self.version: Dict[int, int] = {}
 
     def key(self, t: int) -> Key:
@@ -149,7 +152,7 @@ class _Gradients:
     def add(self, t: int, reads: List[Key], writes: List[Tuple[Key, int]]) -> None:
         """One contribution to ``t``'s gradient: reads the running sum, if
         any, and writes the new sum (a new buffer)."""
-        nbytes = self.model.tensors[t].nbytes
+        nbytes = self.model.tensors[t].gradient_bytes
         if t in self.xs:
             writes.append((("g", t), nbytes))
             return
@@ -190,7 +193,7 @@ def schedule_actions(model: GraphModel, events: Sequence[Event]) -> List[Action]
 def _pending_contributions(model: GraphModel, needed: Set[int]) -> Dict[int, int]:
     """For each gradient op, how many gradient ops must run before it (the
     consumers that add to its outputs' gradients)."""
-    xs = set(model.xs)
+    xs = gradient_sinks(model)
     pending = {i: 0 for i in needed}
     for j in needed:
         for t in model.ops[j].inputs:  # one contribution per input slot, as ``_backward_action`` adds
@@ -213,7 +216,7 @@ def _forward_action(model: GraphModel, i: int, runs: List[int]) -> Action:
     label = "forward" if runs[i] == 0 else "recompute"
     runs[i] += 1
     writes = [(("f", t, runs[i]), model.tensors[t].nbytes) for t in op.outputs]
-    return Action(f"{label} {op.name}", reads, writes, op.cost)
+    return Action(f"{label} {op.name}", reads, writes, op.cost, forwards_buffers=op.forwards_input)
 
 
 def _seed_action(model: GraphModel, grads: _Gradients) -> Action:
@@ -244,4 +247,6 @@ def _backward_action(model: GraphModel, i: int, runs: List[int], grads: _Gradien
             producer = model.tensors[t].producer
             if producer in pending and t not in grads.xs:
                 pending[producer] -= 1
-    return Action(f"backward {op.name}", reads, writes, BACKWARD_COST_FACTOR * op.cost)
+    results = tuple(key for key, _ in writes if len(key) == 2) if model.separate_result_kernels else ()
+    return Action(f"backward {op.name}", reads, writes, BACKWARD_COST_FACTOR * op.cost,
+                  forwards_buffers=op.forwards_input, results=results)

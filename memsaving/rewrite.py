@@ -320,12 +320,13 @@ def _fusable_bias_gradient(gradient) -> bool:
     the same incoming gradient.  When a checkpoint sits between a convolution
     and its BiasAdd, those two ops belong to consecutive segments; a copy of
     the later segment waiting on the fused op would wait on itself (a cycle,
-    seen on VGG16).  Such small gradients are therefore not waited on.
+    seen on VGG16).  Such small gradients are therefore not waited on, also
+    when they reach their variable through a Cast (mixed precision).
     """
     if gradient is None or isinstance(gradient, tf.IndexedSlices):
         return False
     op = gradient.op
-    while op.type in ("Reshape", "Identity") and op.inputs:
+    while op.type in ("Reshape", "Identity", "Cast") and op.inputs:
         op = op.inputs[0].op
     return op.type == "BiasAddGrad"
 

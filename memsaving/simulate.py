@@ -12,9 +12,9 @@ resident before the step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from memsaving.graph import GraphModel
+from memsaving.graph import GraphModel, gradient_sinks
 from memsaving.schedule import Inner, Unit, backward_units, kept_set, recomputes_anchor
 from memsaving.swap import CostModel, add_swaps, timed_replay
 
@@ -30,6 +30,12 @@ class Action:
     writes: List[Tuple[Key, int]]
     cost: float = 0.0  # FLOPs for compute actions, bytes for transfers
     stream: str = "compute"  # or "d2h" / "h2d" (swap-out / swap-in)
+    forwards_buffers: bool = False
+    """The kernel may write an output into the buffer of an input of the same
+    size that no later action reads (:attr:`memsaving.graph.OpInfo.forwards_input`)."""
+    results: Tuple[Key, ...] = ()
+    """Written result gradients made by kernels of their own
+    (:attr:`memsaving.graph.GraphModel.separate_result_kernels`)."""
 
 
 @dataclass
@@ -63,6 +69,42 @@ class Simulation:
         """Total compute relative to plain backprop (forward + backward)."""
         plain = self.forward_cost + self.backward_cost
         return (plain + self.recompute_cost) / plain if plain else 1.0
+
+
+def donations(actions: Sequence[Action], pinned: Set[Key] = frozenset(),
+              finished: Optional[Sequence[float]] = None) -> Dict[Tuple[int, Key], Key]:
+    """Buffers handed over in place: ``(action index, written key) -> read
+    key`` whose buffer the write takes over.
+
+    An in-place action hands each read buffer that dies with it (it is its
+    last reader, the buffer is not pinned, sizes match) to at most one of its
+    writes.  With ``finished`` (end time of each action, for timed replays),
+    a buffer is handed over only if no reader ends after the action.
+    """
+    last_read: Dict[Key, int] = {}
+    last_end: Dict[Key, float] = {}
+    size: Dict[Key, int] = {}
+    for i, action in enumerate(actions):
+        for key in action.reads:
+            last_read[key] = i
+            if finished is not None:
+                last_end[key] = max(last_end.get(key, 0.0), finished[i])
+        for key, nbytes in action.writes:
+            size[key] = nbytes
+    given: Dict[Tuple[int, Key], Key] = {}
+    for i, action in enumerate(actions):
+        if not action.forwards_buffers:
+            continue
+        written = {key for key, _ in action.writes}
+        donors = [key for key in dict.fromkeys(action.reads)
+                  if last_read.get(key) == i and key not in pinned and key not in written and size.get(key, 0) > 0
+                  and (finished is None or last_end[key] <= finished[i])]
+        for key, nbytes in action.writes:
+            donor = next((d for d in donors if size[d] == nbytes), None)
+            if donor is not None and nbytes > 0:
+                given[i, key] = donor
+                donors.remove(donor)
+    return given
 
 
 BACKWARD_COST_FACTOR = 2.0
@@ -105,7 +147,7 @@ def simulate(
     swapped = set(swapped)
     units = backward_units(model, kept, inner, inplace=bool(swapped) if inplace is None else inplace)
     actions, unit_ends = _actions(model, kept, units)
-    pinned = {("g", x) for x in model.xs} if keep_x_gradients else set()
+    pinned = {("g", x) for x in gradient_sinks(model)} if keep_x_gradients else set()
     step_seconds = timed_peak = None
     if swapped or cost is not None:
         cost = cost or CostModel()
@@ -141,12 +183,12 @@ def _shifted(unit_ends: List[int], actions: List[Action]) -> List[int]:
 
 def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List[Action], List[int]]:
     tensors = model.tensors
-    xs = set(model.xs)
+    xs = gradient_sinks(model)  # their gradients are results, one buffer each
     actions: List[Action] = []
     for op in model.ops:
         reads = [("f", t) for t in op.inputs if tensors[t].producer >= 0]
         writes = [(("f", t), tensors[t].nbytes) for t in op.outputs]
-        actions.append(Action(f"forward {op.name}", reads, writes, op.cost))
+        actions.append(Action(f"forward {op.name}", reads, writes, op.cost, forwards_buffers=op.forwards_input))
 
     grad_version: Dict[int, int] = {}
 
@@ -156,14 +198,14 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List
     def add_gradient(t: int, reads: List[Key], writes: List[Tuple[Key, int]]):
         """Contribution to the gradient of ``t``: a new buffer replacing the old sum."""
         if t in xs:
-            writes.append((("g", t), tensors[t].nbytes))
+            writes.append((("g", t), tensors[t].gradient_bytes))
             return
         if t in grad_version:
             reads.append(grad_key(t))
             grad_version[t] += 1
         else:
             grad_version[t] = 0
-        writes.append((grad_key(t), tensors[t].nbytes))
+        writes.append((grad_key(t), tensors[t].gradient_bytes))
 
     seed_writes: List[Tuple[Key, int]] = []
     for y in model.ys:
@@ -194,7 +236,9 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List
                 continue
             if t in xs or (info.producer >= 0 and model.ops[info.producer].forward):
                 add_gradient(t, reads, writes)
-        actions.append(Action(f"{label} {op.name}", reads, writes, BACKWARD_COST_FACTOR * op.cost))
+        results = tuple(key for key, _ in writes if len(key) == 2) if model.separate_result_kernels else ()
+        actions.append(Action(f"{label} {op.name}", reads, writes, BACKWARD_COST_FACTOR * op.cost,
+                              forwards_buffers=op.forwards_input, results=results))
 
     for unit in units:
         local: Dict[int, Key] = {}
@@ -212,7 +256,8 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List
                 for t in op.outputs:
                     local[t] = (tag, unit.anchor, t)
                     writes.append((local[t], tensors[t].nbytes))
-                actions.append(Action(f"{label} {op.name}", reads, writes, op.cost))
+                actions.append(Action(f"{label} {op.name}", reads, writes, op.cost,
+                                      forwards_buffers=op.forwards_input))
         if unit.kind == "advance":
             sources.update(local)
         else:
@@ -224,11 +269,24 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List
     return actions, unit_ends
 
 
+def consumed_at_once(key: Key, action: Action, i: int, last_read: Dict[Key, int], pinned: Set[Key]) -> bool:
+    """A result gradient (one of ``action.results``) that action ``i`` writes, nothing
+    reads afterwards and the caller does not keep (``keep_x_gradients``
+    False): it is made and consumed (applied, reduced) by its own kernel,
+    before the op's other gradient kernels allocate, so it adds to the peak
+    on its own.  A weight gradient and the gradient of the layer's input are
+    separate kernels; on a swapping MLP TensorFlow ran the weight gradient
+    and its reduction first (measured peak 0.76 MiB, 1.00 had both been
+    held together)."""
+    return key in action.results and key not in pinned and last_read.get(key, i) <= i
+
+
 def _replay(actions: List[Action], pinned: Set[Key]) -> Tuple[List[int], int]:
     """Bytes in use after each action and the peak during any action.
 
     A buffer is freed after the last action that reads it (right after it is
-    written when nothing reads it); ``pinned`` buffers are never freed.
+    written when nothing reads it), or handed to an in-place write
+    (:func:`donations`); ``pinned`` buffers are never freed.
     """
     last_read: Dict[Key, int] = {}
     for i, action in enumerate(actions):
@@ -239,12 +297,20 @@ def _replay(actions: List[Action], pinned: Set[Key]) -> Tuple[List[int], int]:
         for key, _ in action.writes:
             if key not in pinned:
                 dies_at.setdefault(max(last_read.get(key, i), i), []).append(key)
+    given = donations(actions, pinned)
     live: Dict[Key, int] = {}
     in_use = 0
     peak = 0
     timeline = []
     for i, action in enumerate(actions):
+        transient = [nbytes for key, nbytes in action.writes if consumed_at_once(key, action, i, last_read, pinned)]
+        peak = max(peak, in_use + max(transient, default=0))
         for key, nbytes in action.writes:
+            if consumed_at_once(key, action, i, last_read, pinned):
+                continue
+            donor = given.get((i, key))
+            if donor is not None:
+                in_use -= live.pop(donor, 0)  # the write takes over its buffer
             in_use += nbytes - live.get(key, 0)
             live[key] = nbytes
         peak = max(peak, in_use)

@@ -18,7 +18,7 @@ the backward pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Iterable, List, Sequence, Set, Tuple
 
 from memsaving.graph import GraphModel
@@ -128,7 +128,7 @@ def add_swaps(actions: Sequence, model: GraphModel, swapped: Iterable[int], forw
         result.extend(before.get(i, ()))
         if i in waits or any((i, key[1]) in renamed for key in action.reads if key[0] == "f"):
             reads = [renamed.get((i, key[1]), key) if key[0] == "f" else key for key in action.reads]
-            action = Action(action.label, reads + waits.get(i, []), action.writes, action.cost, action.stream)
+            action = replace(action, reads=reads + waits.get(i, []))
         result.append(action)
         result.extend(after.get(i, ()))
     return result
@@ -149,8 +149,11 @@ def timed_replay(actions: Sequence, cost: CostModel, pinned: Set = frozenset()) 
     transfers run on their own stream in list order (cost in bytes), each
     once its inputs exist; a swap-in also waits for the compute action
     before it in the list (its trigger).  A buffer is allocated when its
-    writer starts and freed when its last reader ends.
+    writer starts and freed when its last reader ends (or handed to an
+    in-place write: :func:`memsaving.simulate.donations`).
     """
+    from memsaving.simulate import consumed_at_once, donations  # pylint: disable=import-outside-toplevel
+
     ready: Dict = {}
     free_at = {"compute": 0.0, "d2h": 0.0, "h2d": 0.0}
     last_compute_end = 0.0
@@ -183,13 +186,22 @@ def timed_replay(actions: Sequence, cost: CostModel, pinned: Set = frozenset()) 
             last_reader[key] = i
     # at equal times, an action's allocations come after the frees of the
     # actions before it and before its own frees, as in the order replay
+    # a write that takes over a dying input's buffer allocates nothing, and
+    # that buffer is freed with the write's instead
+    given = donations(actions, pinned, ends)
+    donors = set(given.values())
     events = []
     for i, (action, start, end) in enumerate(zip(actions, starts, ends)):
         for key, nbytes in action.writes:
             if nbytes <= 0:
                 continue
-            events.append((start, i, nbytes))
-            if key not in pinned:
+            if consumed_at_once(key, action, i, last_reader, pinned):
+                # after the frees before the action, before its own allocations
+                events += [(start, i - 0.4, nbytes), (start, i - 0.3, -nbytes)]
+                continue
+            if (i, key) not in given:
+                events.append((start, i, nbytes))
+            if key not in pinned and key not in donors:
                 reader = max(last_reader.get(key, i), i)
                 events.append((max(last_read_end.get(key, end), end), reader + 0.5, -nbytes))
     events.sort()

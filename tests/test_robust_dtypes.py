@@ -160,18 +160,9 @@ def _keras_model(policy, seed=3, conv=True):
     return model
 
 
-HALF_CONV_BIAS_CYCLE = pytest.mark.xfail(strict=True, raises=tf.errors.InvalidArgumentError, reason=(
-    "mixed_float16/mixed_bfloat16 conv + bias with the conv output kept ('speed'; and 'memory' under the "
-    "float16 LossScaleOptimizer step): the bias gradient reaches the variable through a Cast (half -> float32), "
-    "so rewrite.py's _fusable_bias_gradient (which looks through Reshape/Identity only) does not recognise "
-    "the BiasAddGrad that oneDNN fuses with Conv2DBackpropFilter; a recompute copy then waits on the fused "
-    "op and the step fails with 'N nodes in a cycle'. Fix: also look through 'Cast' there (rewrite.py, "
-    "not editable in this change); verified by patching it in a scratch run."))
-
-
 @pytest.mark.parametrize("policy, rtol, conv", [
     pytest.param("mixed_float16", 1e-3, False, id="mixed_float16-dense"),
-    pytest.param("mixed_float16", 1e-3, True, id="mixed_float16-conv", marks=HALF_CONV_BIAS_CYCLE),
+    pytest.param("mixed_float16", 1e-3, True, id="mixed_float16-conv"),
     pytest.param("mixed_bfloat16", 1e-2, True, id="mixed_bfloat16-conv"),
 ])
 def test_keras_enable_with_mixed_precision_policies(policy, rtol, conv):
@@ -201,8 +192,7 @@ def test_keras_enable_with_mixed_precision_policies(policy, rtol, conv):
 
 @pytest.mark.parametrize("policy, mode", [
     ("mixed_float16", "memory"), ("mixed_bfloat16", "memory"),
-    pytest.param("mixed_float16", "speed", marks=HALF_CONV_BIAS_CYCLE),
-    pytest.param("mixed_bfloat16", "speed", marks=HALF_CONV_BIAS_CYCLE),
+    ("mixed_float16", "speed"), ("mixed_bfloat16", "speed"),
 ])
 def test_mixed_precision_model_loss_with_memsaving_gradients(policy, mode):
     """memsaving.gradients on a mixed-precision model's loss (training mode:

@@ -121,9 +121,6 @@ def test_good_budget_spellings_are_accepted(budget):
     _trace(lambda x: memsaving.gradients(_loss(x), W, checkpoints="memory", budget=budget))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "parse_bytes (budget.py, not editable here) converts floats with int(): nan raises "
-    "'cannot convert float NaN to integer' and inf an OverflowError, neither saying what to pass"))
 @pytest.mark.parametrize("budget", [float("nan"), float("inf")])
 def test_non_finite_float_budgets_say_what_to_pass(budget):
     with pytest.raises(ValueError, match=r"'2GiB'"):
