@@ -6,7 +6,10 @@ ops, then each backward unit's recomputation and gradient ops.  A buffer lives
 from the action that produces it to the last action that reads it, which is
 how TensorFlow's executor frees memory (reference counts), so the predicted
 peak is the largest sum of live buffers during any action, plus the memory
-resident before the step.
+resident before the step.  Two reuses of TensorFlow's kernels are followed
+when the model asks for them: elementwise kernels write into a dying input's
+buffer (:func:`donations`), and weight gradients are made and consumed by
+kernels of their own (:func:`consumed_at_once`).
 """
 
 from __future__ import annotations
