@@ -23,6 +23,20 @@ def smallest_budget(loss, xs, **kwargs) -> int:
     raise AssertionError("a budget of 1 byte cannot fit")
 
 
+def loss_ancestors(reads, outputs) -> list:
+    """Indices of a random program's tensors the loss depends on, walking
+    ``reads[i]`` (the tensors tensor ``i`` is computed from) back from
+    ``outputs``; tensor 0, the input, is excluded."""
+    found, stack = set(), list(outputs)
+    while stack:
+        i = stack.pop()
+        if i in found or i == 0:
+            continue
+        found.add(i)
+        stack.extend(reads[i])
+    return sorted(found)
+
+
 def both_gradients(model, x, params, checkpoints, budget=None):
     """Plain and memsaving gradients of the same forward graph (same random draws).
 

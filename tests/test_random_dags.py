@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import memsaving
+from helpers import loss_ancestors
 
 B, W = 4, 8
 UNARY = ("tanh", "relu", "sigmoid", "square", "sin")
@@ -70,19 +71,10 @@ def _forward(program, outputs, x, weights):
     return loss, tensors
 
 
-def _ancestors(program, outputs):
-    """Indices of the tensors the loss depends on (tensor 0 is the input)."""
-    found, stack = set(), list(outputs)
-    while stack:
-        i = stack.pop()
-        if i in found or i == 0:
-            continue
-        found.add(i)
-        kind, a, b, _ = program[i - 1]
-        stack.append(a)
-        if kind in ("add", "mul", "concat_split", "reduce", "where"):
-            stack.append(b)
-    return sorted(found)
+def _reads(program):
+    """For each tensor, the tensors it is computed from (tensor 0 is the input)."""
+    return [()] + [(a, b) if kind in ("add", "mul", "concat_split", "reduce", "where") else (a,)
+                   for kind, a, b, _ in program]
 
 
 def _weights(program):
@@ -108,7 +100,7 @@ def _check(example):
         xs = [x] + xs_vars
         plain = tf.gradients(loss, xs)
         kwargs = {}
-        live = _ancestors(program, outputs)  # checkpoints must lie between xs and ys
+        live = loss_ancestors(_reads(program), outputs)  # checkpoints must lie between xs and ys
         rng = np.random.RandomState(subset_seed)
         chosen = [tensors[i] for i in live if rng.rand() < 0.4]
         if mode == "subset":

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import memsaving
+from helpers import dense, loss_ancestors
 
 B, H, W, C = 2, 4, 4, 4
 SHAPE = [B, H, W, C]
@@ -105,22 +106,6 @@ def _build(program, outputs, x, weights):
     return loss, tensors, reads, kinds
 
 
-def _live(reads, outputs):
-    """Indices of program tensors the loss depends on (0, the input, excluded)."""
-    found, stack = set(), list(outputs)
-    while stack:
-        i = stack.pop()
-        if i in found or i == 0:
-            continue
-        found.add(i)
-        stack.extend(reads[i])
-    return sorted(found)
-
-
-def _dense(g):
-    return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-
-
 def check_example(example):
     program, outputs, mode, seed, fraction = example
     weights = _weights(program)
@@ -133,7 +118,7 @@ def check_example(example):
         loss, tensors, reads, kinds = _build(program, outputs, x, weights)
         xs = [x] + variables
         plain = tf.gradients(loss, xs)
-        live = _live(reads, outputs)
+        live = loss_ancestors(reads, outputs)
         rng = np.random.RandomState(seed)
         subset = [tensors[i] for i in live if rng.rand() < 0.5]
         kwargs = {}
@@ -162,7 +147,7 @@ def check_example(example):
             assert mode == "speed" and "found no MatMul/Conv" in str(error), str(error)
             assert not any(kinds[i] in ("conv2d", "matmul") for i in live)
             ours = memsaving.gradients(loss, xs, checkpoints=[])
-        return [_dense(g) for g in plain], [_dense(g) for g in ours]
+        return [dense(g) for g in plain], [dense(g) for g in ours]
 
     plain, ours = both(x)
     assert len(plain) == len(ours)
