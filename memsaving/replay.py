@@ -25,7 +25,7 @@ from typing import Dict, Iterable, List, Sequence, Set, Tuple
 
 from memsaving.graph import GraphModel, gradient_sinks
 from memsaving.schedule import backward_units, kept_set, recomputes_anchor
-from memsaving.simulate import BACKWARD_COST_FACTOR, Action, Key, Simulation, _replay
+from memsaving.simulate import BACKWARD_COST_FACTOR, Action, Key, Simulation, _replay, result_keys
 
 Event = Tuple[str, int]
 
@@ -247,6 +247,5 @@ def _backward_action(model: GraphModel, i: int, runs: List[int], grads: _Gradien
             producer = model.tensors[t].producer
             if producer in pending and t not in grads.xs:
                 pending[producer] -= 1
-    results = tuple(key for key, _ in writes if len(key) == 2) if model.separate_result_kernels else ()
     return Action(f"backward {op.name}", reads, writes, BACKWARD_COST_FACTOR * op.cost,
-                  forwards_buffers=op.forwards_input, results=results)
+                  forwards_buffers=op.forwards_input, results=result_keys(model, writes))

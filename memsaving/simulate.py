@@ -74,26 +74,19 @@ class Simulation:
         return (plain + self.recompute_cost) / plain if plain else 1.0
 
 
-def donations(actions: Sequence[Action], pinned: Set[Key] = frozenset(),
+def donations(actions: Sequence[Action], last_read: Dict[Key, int], pinned: Set[Key] = frozenset(),
+              last_end: Optional[Dict[Key, float]] = None,
               finished: Optional[Sequence[float]] = None) -> Dict[Tuple[int, Key], Key]:
     """Buffers handed over in place: ``(action index, written key) -> read
     key`` whose buffer the write takes over.
 
     An in-place action hands each read buffer that dies with it (it is its
-    last reader, the buffer is not pinned, sizes match) to at most one of its
-    writes.  With ``finished`` (end time of each action, for timed replays),
-    a buffer is handed over only if no reader ends after the action.
+    last reader by ``last_read``, the buffer is not pinned, sizes match) to
+    at most one of its writes.  In timed replays (``last_end``: when each
+    buffer's last reader ends; ``finished``: when each action ends), a
+    buffer is handed over only if no reader ends after the action.
     """
-    last_read: Dict[Key, int] = {}
-    last_end: Dict[Key, float] = {}
-    size: Dict[Key, int] = {}
-    for i, action in enumerate(actions):
-        for key in action.reads:
-            last_read[key] = i
-            if finished is not None:
-                last_end[key] = max(last_end.get(key, 0.0), finished[i])
-        for key, nbytes in action.writes:
-            size[key] = nbytes
+    size: Dict[Key, int] = {key: nbytes for action in actions for key, nbytes in action.writes}
     given: Dict[Tuple[int, Key], Key] = {}
     for i, action in enumerate(actions):
         if not action.forwards_buffers:
@@ -101,13 +94,22 @@ def donations(actions: Sequence[Action], pinned: Set[Key] = frozenset(),
         written = {key for key, _ in action.writes}
         donors = [key for key in dict.fromkeys(action.reads)
                   if last_read.get(key) == i and key not in pinned and key not in written and size.get(key, 0) > 0
-                  and (finished is None or last_end[key] <= finished[i])]
+                  and (last_end is None or last_end[key] <= finished[i])]
         for key, nbytes in action.writes:
             donor = next((d for d in donors if size[d] == nbytes), None)
             if donor is not None and nbytes > 0:
                 given[i, key] = donor
                 donors.remove(donor)
     return given
+
+
+def result_keys(model: GraphModel, writes: Sequence[Tuple[Key, int]]) -> Tuple[Key, ...]:
+    """The result gradients (``("g", x)`` keys) among a backward action's
+    ``writes`` that kernels of their own make
+    (:attr:`memsaving.graph.GraphModel.separate_result_kernels`)."""
+    if not model.separate_result_kernels:
+        return ()
+    return tuple(key for key, _ in writes if len(key) == 2)
 
 
 BACKWARD_COST_FACTOR = 2.0
@@ -239,9 +241,8 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List
                 continue
             if t in xs or (info.producer >= 0 and model.ops[info.producer].forward):
                 add_gradient(t, reads, writes)
-        results = tuple(key for key, _ in writes if len(key) == 2) if model.separate_result_kernels else ()
         actions.append(Action(f"{label} {op.name}", reads, writes, BACKWARD_COST_FACTOR * op.cost,
-                              forwards_buffers=op.forwards_input, results=results))
+                              forwards_buffers=op.forwards_input, results=result_keys(model, writes)))
 
     for unit in units:
         local: Dict[int, Key] = {}
@@ -300,16 +301,17 @@ def _replay(actions: List[Action], pinned: Set[Key]) -> Tuple[List[int], int]:
         for key, _ in action.writes:
             if key not in pinned:
                 dies_at.setdefault(max(last_read.get(key, i), i), []).append(key)
-    given = donations(actions, pinned)
+    given = donations(actions, last_read, pinned)
     live: Dict[Key, int] = {}
     in_use = 0
     peak = 0
     timeline = []
     for i, action in enumerate(actions):
-        transient = [nbytes for key, nbytes in action.writes if consumed_at_once(key, action, i, last_read, pinned)]
-        peak = max(peak, in_use + max(transient, default=0))
+        transient = {key: nbytes for key, nbytes in action.writes
+                     if consumed_at_once(key, action, i, last_read, pinned)}
+        peak = max(peak, in_use + max(transient.values(), default=0))
         for key, nbytes in action.writes:
-            if consumed_at_once(key, action, i, last_read, pinned):
+            if key in transient:
                 continue
             donor = given.get((i, key))
             if donor is not None:

@@ -184,12 +184,12 @@ def timed_replay(actions: Sequence, cost: CostModel, pinned: Set = frozenset()) 
     for i, action in enumerate(actions):
         for key in action.reads:
             last_reader[key] = i
-    # at equal times, an action's allocations come after the frees of the
-    # actions before it and before its own frees, as in the order replay
     # a write that takes over a dying input's buffer allocates nothing, and
     # that buffer is freed with the write's instead
-    given = donations(actions, pinned, ends)
+    given = donations(actions, last_reader, pinned, last_read_end, ends)
     donors = set(given.values())
+    # at equal times, an action's allocations come after the frees of the
+    # actions before it and before its own frees, as in the order replay
     events = []
     for i, (action, start, end) in enumerate(zip(actions, starts, ends)):
         for key, nbytes in action.writes:
