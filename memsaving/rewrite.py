@@ -118,8 +118,10 @@ class BackwardBuilder:
         for y, gy in zip(ys, grad_ys):
             if not self.fwd.contains_tensor(y):
                 continue
+            if gy is None:
+                gy = _seed(y)
             if self.is_kept(y):
-                self.grads.add(y, gy if gy is not None else default_gradient.ones_like(y))
+                self.grads.add(y, gy)
             else:
                 inner.append(y)
                 inner_grads.append(gy)
@@ -311,6 +313,19 @@ class BackwardBuilder:
                 g = default_gradient.zeros_like(x)
             results.append(g)
         return results
+
+
+def _seed(y: tf.Tensor) -> tf.Tensor:
+    """The default gradient of ``y`` (ones), made after ``y``.
+
+    Grappler folds a seed that does not wait for ``y`` into a constant, and
+    the gradient ops it feeds (``g * b`` for a loss ``sum(a * b)``) then
+    become ready during the forward pass: TensorFlow ran them there and held
+    their results through the rest of it (seen in a traced run of two towers
+    in memory mode, whose measured peak went from 3.02-3.49 MiB to
+    2.88-3.33 against 2.75 predicted)."""
+    with tf.control_dependencies([y]):
+        return default_gradient.ones_like(y)
 
 
 def _fusable_bias_gradient(gradient) -> bool:
