@@ -33,8 +33,20 @@ class Unit:
 
 def kept_set(model: GraphModel, checkpoint_ops: Iterable[int]) -> Set[int]:
     """Checkpoint producers, non-copyable forward ops and their trainable
-    forward inputs' producers: the ops whose outputs the rewrite keeps."""
+    forward inputs' producers, and forward producers of ``xs``: the ops whose
+    outputs the rewrite keeps.
+
+    An ``x`` computed by a forward op (``xs`` naming an intermediate tensor
+    and something upstream of it) ends every segment, like a checkpoint, so
+    its gradient is complete when it is read; its producer must then anchor
+    a unit of its own, or the gradient would stop at ``x`` instead of flowing
+    on to what lies before it, as it does in ``tf.gradients``.
+    """
     kept = {i for i in checkpoint_ops if model.ops[i].forward}
+    for x in model.xs:
+        producer = model.tensors[x].producer
+        if producer >= 0 and model.ops[producer].forward:
+            kept.add(producer)
     for i, op in enumerate(model.ops):
         if op.forward and not op.copyable:
             kept.add(i)
