@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.ops import control_flow_util, resource_variable_ops
+from tensorflow.python.ops import gradients_impl as _gradients_impl
 
 from memsaving import candidates
 from memsaving.budget import parse_bytes, plan_for_budget
@@ -40,10 +41,20 @@ _do_not_convert = tf.autograph.experimental.do_not_convert
 
 TensorLike = Union[tf.Tensor, tf.Variable]
 
+# TensorFlow's own gradient functions (tf.gradients, tf.compat.v1.gradients),
+# captured when memsaving is imported.  The rewrite calls these, never
+# whatever tf.gradients is bound to at call time: once tf.gradients is
+# replaced by memsaving (memsaving.patch(), or a user's own
+# ``tf.__dict__["gradients"] = memsaving.gradients_memory``), calling it per
+# segment would recurse forever ("memory") or fail on segments without
+# checkpoints ("speed").
+ORIGINAL_TF_GRADIENTS = _gradients_impl.gradients_v2
+ORIGINAL_TF_COMPAT_V1_GRADIENTS = _gradients_impl.gradients
+
 _PASSED_THROUGH = ("gate_gradients", "aggregation_method", "colocate_gradients_with_ops")
 _SWAP_KEYS = ("swap", "swap_device", "swap_trigger", "swap_lb", "swap_ub", "swap_fuse", "bandwidth",
               "flops_per_second", "swap_backend")
-_ACCEPTED = frozenset(_PASSED_THROUGH + ("name", "stop_gradients", "unconnected_gradients", "batch_size")
+ACCEPTED_KEYWORDS = frozenset(_PASSED_THROUGH + ("name", "stop_gradients", "unconnected_gradients", "batch_size")
                       + _SWAP_KEYS)
 
 
@@ -144,11 +155,11 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
             "rewrites a graph, as tf.gradients does. Compute the loss and call "
             "memsaving.gradients inside a tf.function (or in tf.compat.v1 graph mode)."
         )
-    unknown = sorted(set(kwargs) - _ACCEPTED)
+    unknown = sorted(set(kwargs) - ACCEPTED_KEYWORDS)
     if unknown:
         raise TypeError(
             f"memsaving.gradients got unexpected keyword argument(s) {unknown}; "
-            f"accepted: ys, xs, grad_ys, checkpoints, {', '.join(sorted(_ACCEPTED))}"
+            f"accepted: ys, xs, grad_ys, checkpoints, {', '.join(sorted(ACCEPTED_KEYWORDS))}"
         )
     ys = _as_list(ys)
     xs = _as_list(xs)
@@ -168,7 +179,7 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
     name = kwargs.get("name") or "memsaving_gradients"
     unconnected = tf.UnconnectedGradients(kwargs.get("unconnected_gradients", "none"))
     passed = {k: kwargs[k] for k in _PASSED_THROUGH if k in kwargs}
-    gradients_fn = tf.compat.v1.gradients if "colocate_gradients_with_ops" in passed else tf.gradients
+    gradients_fn = ORIGINAL_TF_COMPAT_V1_GRADIENTS if "colocate_gradients_with_ops" in passed else ORIGINAL_TF_GRADIENTS
 
     graph = tf.compat.v1.get_default_graph()
     if _in_xla_function(graph):
@@ -181,6 +192,7 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
         )
     with tf.name_scope(name):
         ys, xs = _graph_tensors(ys, xs)
+        grad_ys = _graph_grad_ys(grad_ys, ys)
         fwd, plan_ = _plan(ys, xs, checkpoints, budget, kwargs)
         by_name = {op.name: op for op in fwd.ops}
         kept = {by_name[n] for n in plan_.kept_ops if n in by_name}
@@ -221,6 +233,20 @@ def _graph_tensors(ys: list, xs: list):
     _check_same_graph(xs, graph, "xs")
     xs = [_captured_in(x, graph) for x in xs]
     return ys, xs
+
+
+def _graph_grad_ys(grad_ys: list, ys: list) -> list:
+    """``grad_ys`` as tensors of this graph, as tf.gradients converts them.
+
+    A value made outside the function (an eager tensor, a numpy array, a
+    Python list) is captured or embedded as a constant; the rewrite needs
+    graph tensors, whose producing ops the recomputed segments wait on."""
+    converted = []
+    for y, gy in zip(ys, grad_ys):
+        if gy is not None and not isinstance(gy, tf.IndexedSlices):
+            gy = tf.convert_to_tensor(gy, dtype=y.dtype, name="grad_y")
+        converted.append(gy)
+    return converted
 
 
 def _enclosing_graphs(graph) -> list:
@@ -332,7 +358,7 @@ def _hybrid_plan(model, fwd, checkpoints, budget, kwargs, keep_x) -> Plan:
                      swapped=result.best.swapped, cost=cost, inplace=True)
 
 
-def _check_checkpoints_argument(checkpoints) -> None:
+def check_checkpoints_argument(checkpoints) -> None:
     """``checkpoints=None`` or a number would fail deep inside with "object is
     not iterable"; say what the argument takes instead."""
     if isinstance(checkpoints, (str, tf.Tensor, tf.Variable)):
@@ -346,12 +372,27 @@ def _check_checkpoints_argument(checkpoints) -> None:
         ) from None
 
 
+def _batch_size(value) -> int:
+    """The ``batch_size`` argument as a positive int (default 1).
+
+    It sizes unknown dimensions when predicting memory; a string or a
+    fraction there is a mistake to report, not a number to coerce."""
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(
+            f"batch_size={value!r} is not supported: give a positive int, the size memsaving gives to unknown "
+            "dimensions (usually the batch) when predicting memory; omit it for 1"
+        )
+    return int(value)
+
+
 def _plan(ys, xs, checkpoints, budget, kwargs) -> tuple:
     """Forward graph and plan shared by ``gradients`` and ``plan``."""
-    _check_checkpoints_argument(checkpoints)
+    check_checkpoints_argument(checkpoints)
     stop_gradients = _as_list(kwargs.get("stop_gradients") or [])
     fwd = forward_graph(xs, ys, stop_gradients)
-    model = graph_model(fwd, batch_size=int(kwargs.get("batch_size") or 1))
+    model = graph_model(fwd, batch_size=_batch_size(kwargs.get("batch_size")))
     keep_x = bool(kwargs.get("keep_x_gradients", False))
     swap = kwargs.get("swap")
     if swap is not None and swap is not False:

@@ -131,7 +131,7 @@ class BackwardBuilder:
         if not boundary:
             return
         results = self.gradients_fn(
-            inner, boundary, grad_ys=inner_grads, stop_gradients=boundary,
+            inner, boundary, grad_ys=inner_grads, stop_gradients=boundary + _outside_inputs(ops, boundary),
             **self.gradient_kwargs,
         )
         for t, g in zip(boundary, results):
@@ -313,6 +313,25 @@ class BackwardBuilder:
                 g = default_gradient.zeros_like(x)
             results.append(g)
         return results
+
+
+def _outside_inputs(ops: Sequence[tf.Operation], boundary: list) -> list:
+    """Trainable inputs of ``ops`` made by ops outside them, except ``boundary``.
+
+    The output unit differentiates the original ops in place; stopping at
+    these keeps that call from walking past the unit into ops that are not
+    forward, such as those behind the caller's ``stop_gradients``, whose
+    gradient tf.gradients does not take (it would reach ``xs`` through them).
+    """
+    members = set(ops)
+    seen = object_identity.ObjectIdentitySet(boundary)
+    outside = []
+    for op in ops:
+        for t in op.inputs:
+            if t.op not in members and t not in seen and is_trainable(t):
+                seen.add(t)
+                outside.append(t)
+    return outside
 
 
 def _seed(y: tf.Tensor) -> tf.Tensor:

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import memsaving
-from helpers import dense, loss_ancestors
+from helpers import dense
 from random_programs import B, W, program_loss, program_reads, program_weights, programs, run_program
 
 MODES = ("subset", "memory", "speed", "collection", "budget", "none")
@@ -49,12 +49,24 @@ def calls(draw, max_ops=12):
     }
 
 
-def _descendants(reads, roots) -> set:
-    """Tensors computed (directly or not) from any of ``roots``."""
-    found = set(roots)
+def _descendants(reads, roots, stop) -> set:
+    """Tensors computed from any of ``roots`` along paths avoiding ``stop``."""
+    found = set(roots) - {stop}
     for i in range(len(reads)):
-        if any(r in found for r in reads[i]):
+        if i != stop and any(r in found for r in reads[i]):
             found.add(i)
+    return found
+
+
+def _ancestors(reads, outputs, stop) -> set:
+    """Tensors (the input excluded) the outputs depend on along paths avoiding ``stop``."""
+    found, pending = set(), [i for i in outputs if i != stop]
+    while pending:
+        i = pending.pop()
+        if i in found or i == 0:
+            continue
+        found.add(i)
+        pending.extend(r for r in reads[i] if r != stop)
     return found
 
 
@@ -92,7 +104,8 @@ def check_call(call):
         roots = {0} if any(k == "input" for k, _ in call["xs"]) else set()
         roots |= {i for k, i in call["xs"] if k == "tensor"}
         roots |= {i + 1 for k, i in call["xs"] if k == "variable"}
-        between = [i for i in loss_ancestors(reads, outputs) if i in _descendants(reads, roots) and i not in roots]
+        after_xs = _descendants(reads, roots, call["stop"])
+        between = [i for i in sorted(_ancestors(reads, outputs, call["stop"])) if i in after_xs and i not in roots]
         chosen = [tensors[i] for i in between if rng.rand() < 0.4]
         if mode == "subset":
             kwargs["checkpoints"] = chosen
