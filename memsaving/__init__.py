@@ -32,6 +32,7 @@ from memsaving.gradients import (  # noqa: E402
     gradients_speed,
     plan,
 )
+from memsaving.patching import patch, patched, unpatch  # noqa: E402
 from memsaving.planning import Plan  # noqa: E402
 from memsaving.measure import measure_peak, measure_peak_increase  # noqa: E402
 
@@ -66,5 +67,8 @@ __all__ = [
     "gradients_speed",
     "measure_peak",
     "measure_peak_increase",
+    "patch",
+    "patched",
     "plan",
+    "unpatch",
 ]

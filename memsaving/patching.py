@@ -1,0 +1,227 @@
+"""Replace ``tf.gradients`` by memsaving's gradients, process-wide.
+
+Code that already calls ``tf.gradients`` or ``tf.compat.v1.gradients``
+(TF1-style graphs, ``tf.compat.v1.train`` optimizers, helpers in other
+libraries) cannot be told to call :func:`memsaving.gradients` instead.
+:func:`patch` swaps the function behind those module attributes, so such
+code recomputes between checkpoints without being edited; :func:`unpatch`
+puts back exactly what was there.
+
+What is replaced, and why only that:
+
+* ``tf.gradients`` and ``tf.compat.v1.gradients`` (and their aliases in the
+  already-imported API modules, e.g. ``tf.compat.v2.gradients`` or the module
+  bound by ``import tensorflow.compat.v1 as tf1``): the names user code calls;
+* ``tensorflow.python.ops.gradients.gradients``: the name TensorFlow's own
+  v1 optimizers call (``tf.compat.v1.train.Optimizer.minimize`` and
+  ``compute_gradients`` in graph mode), the usual way TF1 code gets gradients.
+
+TensorFlow's definitions in ``tensorflow.python.ops.gradients_impl`` are left
+alone: TensorFlow's helpers (``tf.hessians``) call them by that module's
+globals, and a module imported while they were patched would keep the
+patched function after :func:`unpatch`.  memsaving itself always calls the
+originals captured when it was imported, so patching never makes it call
+itself.
+
+The patch does not reach ``tf.GradientTape`` (TF2 eager code, Keras 3
+``fit``): tapes never go through ``tf.gradients``.  Use
+:func:`memsaving.keras.enable` for Keras ``fit``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from types import ModuleType
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import tensorflow as tf
+
+from memsaving.checkpoints import Checkpoints
+from memsaving.gradients import (
+    ACCEPTED_KEYWORDS,
+    ORIGINAL_TF_COMPAT_V1_GRADIENTS,
+    ORIGINAL_TF_GRADIENTS,
+    check_checkpoints_argument,
+    gradients as _memsaving_gradients,
+)
+
+# Arguments every tf.gradients call brings itself; a patch-wide value for
+# them would silently override the caller's.
+_PER_CALL = frozenset({"name", "gate_gradients", "aggregation_method", "stop_gradients",
+                       "unconnected_gradients", "colocate_gradients_with_ops"})
+_PATCH_OPTIONS = frozenset({"budget"}) | (ACCEPTED_KEYWORDS - _PER_CALL)
+
+# Modules whose ``gradients`` attribute callers reach: the public API modules
+# (``tensorflow``, ``tensorflow.compat.v1``, TensorFlow's internal
+# ``tensorflow._api.v2...`` copies of them) and the module TensorFlow's v1
+# optimizers call through.
+_API_PREFIXES = ("tensorflow.compat.", "tensorflow._api.")
+_OPTIMIZER_MODULE = "tensorflow.python.ops.gradients"
+
+_MISSING = object()  # a module had no ``gradients`` attribute before patch()
+
+_lock = threading.RLock()
+# (module, what its ``gradients`` was before patch()), in patching order
+_saved: List[Tuple[ModuleType, Any]] = []
+# arguments of the active patch() (for patched() to restore on exit), or None
+_active: Optional[Dict[str, Any]] = None
+
+_do_not_convert = tf.autograph.experimental.do_not_convert
+
+
+def _make_gradients_v2(checkpoints: Checkpoints, options: Dict[str, Any]) -> Callable[..., list]:
+    """memsaving's gradients with ``tf.gradients``' signature (TF2)."""
+
+    def gradients(ys, xs, grad_ys=None, name=None, gate_gradients=False, aggregation_method=None,
+                  stop_gradients=None, unconnected_gradients=tf.UnconnectedGradients.NONE):
+        return _memsaving_gradients(
+            ys, xs, grad_ys, checkpoints=checkpoints, name=name, gate_gradients=gate_gradients,
+            aggregation_method=aggregation_method, stop_gradients=stop_gradients,
+            unconnected_gradients=unconnected_gradients, **options)
+
+    gradients.__doc__ = (f"tf.gradients replaced by memsaving.patch(checkpoints={checkpoints!r}): "
+                         "memsaving.gradients with tf.gradients' arguments.")
+    return _do_not_convert(gradients)
+
+
+def _make_gradients_v1(checkpoints: Checkpoints, options: Dict[str, Any]) -> Callable[..., list]:
+    """memsaving's gradients with ``tf.compat.v1.gradients``' signature."""
+
+    def gradients(ys, xs, grad_ys=None, name=None, colocate_gradients_with_ops=False, gate_gradients=False,
+                  aggregation_method=None, stop_gradients=None,
+                  unconnected_gradients=tf.UnconnectedGradients.NONE):
+        return _memsaving_gradients(
+            ys, xs, grad_ys, checkpoints=checkpoints, name=name,
+            colocate_gradients_with_ops=colocate_gradients_with_ops, gate_gradients=gate_gradients,
+            aggregation_method=aggregation_method, stop_gradients=stop_gradients,
+            unconnected_gradients=unconnected_gradients, **options)
+
+    gradients.__doc__ = (f"tf.compat.v1.gradients replaced by memsaving.patch(checkpoints={checkpoints!r}): "
+                         "memsaving.gradients with tf.compat.v1.gradients' arguments.")
+    return _do_not_convert(gradients)
+
+
+def _targets() -> List[Tuple[ModuleType, bool]]:
+    """Modules to patch, each with True when it holds the v1 function.
+
+    ``tf`` and ``tf.compat.v1`` are always patched, whatever they hold (a
+    user's own replacement is saved and restored like the original); the
+    other modules only when they still hold TensorFlow's function, so
+    unrelated ``gradients`` attributes are never touched.
+    """
+    found: Dict[int, Tuple[ModuleType, bool]] = {}
+    always = [(tf, False), (tf.compat.v1, True)]
+    for module, is_v1 in always:
+        found[id(module)] = (module, is_v1)
+    for name, module in list(sys.modules.items()):
+        if module is None or id(module) in found:
+            continue
+        if not (name == _OPTIMIZER_MODULE or name.startswith(_API_PREFIXES)):
+            continue
+        current = getattr(module, "__dict__", {}).get("gradients")
+        if current is ORIGINAL_TF_GRADIENTS:
+            found[id(module)] = (module, False)
+        elif current is ORIGINAL_TF_COMPAT_V1_GRADIENTS:
+            found[id(module)] = (module, True)
+    return list(found.values())
+
+
+def _check_options(checkpoints: Checkpoints, kwargs: Dict[str, Any]) -> None:
+    """Fail at patch() time, not at the first tf.gradients call somewhere else."""
+    check_checkpoints_argument(checkpoints)
+    per_call = sorted(set(kwargs) & _PER_CALL)
+    if per_call:
+        raise TypeError(
+            f"memsaving.patch: {per_call} are arguments of each tf.gradients call and are taken "
+            "from the call; pass only memsaving options (budget, batch_size, swap...) to patch()"
+        )
+    unknown = sorted(set(kwargs) - _PATCH_OPTIONS)
+    if unknown:
+        raise TypeError(f"memsaving.patch got unexpected keyword argument(s) {unknown}; "
+                        f"accepted: checkpoints, {', '.join(sorted(_PATCH_OPTIONS))}")
+
+
+def patch(checkpoints: Checkpoints = "memory", **kwargs: Any) -> None:
+    """Make ``tf.gradients`` and ``tf.compat.v1.gradients`` call memsaving.
+
+    Every later call of ``tf.gradients(...)`` / ``tf.compat.v1.gradients(...)``
+    (inside a ``tf.function`` or a ``tf.compat.v1`` graph) builds its backward
+    pass with :func:`memsaving.gradients` and these options, so code that
+    cannot be edited (TF1-style training loops, ``tf.compat.v1.train``
+    optimizers, library helpers) saves memory too.  The replacements keep
+    TensorFlow's full signature (``grad_ys``, ``name``, ``gate_gradients``,
+    ``aggregation_method``, ``stop_gradients``, ``unconnected_gradients`` and,
+    for v1, ``colocate_gradients_with_ops``); their ops are created under the
+    name scope ``memsaving_gradients`` unless the caller passes ``name``.
+
+    Not affected: ``tf.GradientTape`` (TF2 eager code, Keras 3 ``fit``), which
+    never calls ``tf.gradients`` (use :func:`memsaving.keras.enable` for
+    ``fit``); functions imported by name before patching (``from tensorflow
+    import gradients``); API modules first imported after patching (a first
+    ``import tensorflow.compat.v1 as tf1`` after ``patch()`` gets
+    TensorFlow's function: patch after the imports).
+
+    Calling ``patch`` again replaces the options; the originals saved by the
+    first call are kept, so one :func:`unpatch` restores them.
+
+    Args:
+      checkpoints: as for :func:`memsaving.gradients`.  ``"memory"``
+        (default) suits a process-wide patch: a graph without a cut is
+        differentiated without recomputation.  ``"speed"`` and
+        ``"collection"`` raise ``CheckpointError`` in calls whose graph has
+        no MatMul/Conv or no marked tensor, and every mode raises
+        ``UnsupportedGraphError`` on TF1 control flow, exactly as
+        :func:`memsaving.gradients` does.
+      **kwargs: memsaving options applied to every call: ``budget``,
+        ``batch_size``, ``swap`` and its options.
+
+    Raises:
+      TypeError: an unknown option, or a per-call tf.gradients argument.
+    """
+    global _active
+    _check_options(checkpoints, kwargs)
+    with _lock:
+        unpatch()
+        v2 = _make_gradients_v2(checkpoints, dict(kwargs))
+        v1 = _make_gradients_v1(checkpoints, dict(kwargs))
+        for module, is_v1 in _targets():
+            _saved.append((module, vars(module).get("gradients", _MISSING)))
+            setattr(module, "gradients", v1 if is_v1 else v2)
+        _active = {"checkpoints": checkpoints, **kwargs}
+
+
+def unpatch() -> None:
+    """Put back what ``gradients`` was in every module :func:`patch` changed.
+
+    Restores the very objects (``tf.gradients is`` the function it was before
+    patching).  Does nothing when not patched.
+    """
+    global _active
+    with _lock:
+        while _saved:
+            module, previous = _saved.pop()
+            if previous is _MISSING:
+                delattr(module, "gradients")
+            else:
+                setattr(module, "gradients", previous)
+        _active = None
+
+
+@contextlib.contextmanager
+def patched(checkpoints: Checkpoints = "memory", **kwargs: Any) -> Iterator[None]:
+    """``with memsaving.patched(...):`` :func:`patch` for the block only.
+
+    On exit (also on an exception) the state before the block comes back:
+    the originals, or the options of an enclosing patch.
+    """
+    with _lock:
+        previous = dict(_active) if _active is not None else None
+    patch(checkpoints, **kwargs)
+    try:
+        yield
+    finally:
+        unpatch()
+        if previous is not None:
+            patch(**previous)
