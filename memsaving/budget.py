@@ -46,27 +46,37 @@ def format_bytes(count: int) -> str:
     return f"{value:.1f} GiB"
 
 
+_BUDGET_FORMS = ("an int number of bytes (e.g. 2_000_000_000), a whole float (2e9), or a string with a "
+                 "unit such as '512MiB', '2GiB', '1.5GB'")
+
+
 def parse_bytes(value: Union[int, float, str]) -> int:
-    """``2GiB``, ``"512 MB"``, ``1.5e9`` or ``1073741824`` -> bytes."""
+    """``2GiB``, ``"512 MB"``, ``1.5e9`` or ``1073741824`` -> bytes.
+
+    A budget below one byte, or a fraction of a byte (``1.5``, ``"0.5"``), is
+    refused rather than rounded: such a value is almost always a size in
+    GiB or MB given without its unit, and truncating it would plan for a
+    budget nothing fits in.
+    """
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        result = int(value)
-    elif isinstance(value, float):
+        number = float(value)
+    elif isinstance(value, (float, np.floating)):
         if not math.isfinite(value):
-            raise ValueError(f"memory budget must be a finite number of bytes or a string like '2GiB', got {value!r}")
-        result = int(value)
+            raise ValueError(f"memory budget must be finite: got budget={value!r}; give {_BUDGET_FORMS}")
+        number = float(value)
     elif isinstance(value, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
         if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError(
-                f"cannot read memory budget {value!r}: use bytes (int) or a number with a unit "
-                "such as '512MiB', '2GiB', '1.5GB'"
-            )
-        result = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+            raise ValueError(f"cannot read memory budget {value!r}: give {_BUDGET_FORMS}")
+        number = float(match.group(1)) * _UNITS[match.group(2).lower()]
     else:
-        raise TypeError(f"budget must be an int number of bytes or a string like '2GiB', got {value!r}")
-    if result <= 0:
-        raise ValueError(f"budget must be positive, got {value!r}")
-    return result
+        raise TypeError(f"budget={value!r} ({type(value).__name__}) is not a memory size: give {_BUDGET_FORMS}")
+    if number < 1:
+        raise ValueError(f"budget={value!r} is {number:g} bytes, less than one byte: give {_BUDGET_FORMS}")
+    if number != int(number):
+        raise ValueError(f"budget={value!r} is {number:g} bytes, a fraction of a byte (a unit missing?): "
+                         f"give {_BUDGET_FORMS}")
+    return int(number)
 
 
 def _surrogate_dp(chain: Chain, budget: float, buckets: int = 256) -> Optional[List[int]]:

@@ -110,7 +110,7 @@ def test_infeasible_budget_states_the_smallest_which_then_fits():
         np.testing.assert_allclose(o.numpy(), p.numpy(), rtol=1e-6)
 
 
-@pytest.mark.parametrize("budget", ["2 gigabytes", "1e3XB", "MiB", "--1KiB", "1,5GB", "", [1]])
+@pytest.mark.parametrize("budget", ["2 gigabytes", "1e3XB", "MiB", "--1KiB", "1,5GB", "", [1], 1.5, "0.5", 0.25])
 def test_bad_budget_values_say_what_to_pass(budget):
     with pytest.raises((ValueError, TypeError), match=r"'2GiB'"):
         _trace(lambda x: memsaving.gradients(_loss(x), W, checkpoints="memory", budget=budget))
@@ -119,6 +119,15 @@ def test_bad_budget_values_say_what_to_pass(budget):
 @pytest.mark.parametrize("budget", ["2GiB", "512 MiB", "1.5GB", "100kb", 10 ** 9, 1e9])
 def test_good_budget_spellings_are_accepted(budget):
     _trace(lambda x: memsaving.gradients(_loss(x), W, checkpoints="memory", budget=budget))
+
+
+@pytest.mark.parametrize("batch_size", ["abc", "8", 0, -2, 2.5, True])
+def test_bad_batch_size_says_what_to_pass(batch_size):
+    """Strings and fractions used to fail in int() or be truncated."""
+    with pytest.raises(ValueError, match=r"batch_size=.*positive int"):
+        _trace(lambda x: memsaving.gradients(_loss(x), W, checkpoints="memory", batch_size=batch_size))
+    with pytest.raises(ValueError, match=r"batch_size=.*positive int"):
+        _trace(lambda x: memsaving.plan(_loss(x), W, checkpoints="memory", batch_size=batch_size))
 
 
 @pytest.mark.parametrize("budget", [float("nan"), float("inf")])

@@ -85,7 +85,16 @@ def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["two gigs", "-1GiB", 0, "5 parsecs"])
-def test_parse_bytes_rejects(bad):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("bad, says", [
+    ("two gigs", "cannot read"), ("-1GiB", "cannot read"), (0, "less than one byte"), ("5 parsecs", "cannot read"),
+    (1.5, "fraction of a byte"), ("0.5", "less than one byte"), ("2.5B", "fraction of a byte"),
+])
+def test_parse_bytes_rejects(bad, says):
+    """Each refusal names the problem and the accepted forms (a unit, e.g. '2GiB')."""
+    with pytest.raises(ValueError, match=says) as error:
         parse_bytes(bad)
+    assert "'2GiB'" in str(error.value)
+
+
+def test_parse_bytes_takes_whole_floats():
+    assert parse_bytes(2e9) == 2_000_000_000
