@@ -392,7 +392,15 @@ def _plan(ys, xs, checkpoints, budget, kwargs) -> tuple:
     check_checkpoints_argument(checkpoints)
     stop_gradients = _as_list(kwargs.get("stop_gradients") or [])
     fwd = forward_graph(xs, ys, stop_gradients)
-    model = graph_model(fwd, batch_size=_batch_size(kwargs.get("batch_size")))
+    batch_size = _batch_size(kwargs.get("batch_size"))
+    fwd, plan_ = _plan_for_model(fwd, graph_model(fwd, batch_size=batch_size), checkpoints, budget, kwargs)
+    plan_.batch_size = batch_size
+    plan_.batch_source = "batch_size=" if kwargs.get("batch_size") is not None else ""
+    return fwd, plan_
+
+
+def _plan_for_model(fwd, model, checkpoints, budget, kwargs) -> tuple:
+    """The plan for ``model`` (the sized graph model of ``fwd``)."""
     keep_x = bool(kwargs.get("keep_x_gradients", False))
     swap = kwargs.get("swap")
     if swap is not None and swap is not False:

@@ -74,6 +74,12 @@ class Plan:
     plain_seconds: Optional[float] = None
     steps: List[Tuple[str, str, Tuple[str, ...]]] = field(default_factory=list, repr=False)
     simulation: Optional[Simulation] = field(default=None, repr=False)
+    batch_size: Optional[int] = None
+    """The size given to unknown dimensions (usually the batch) when sizing
+    tensors: the plan's figures hold for this batch."""
+    batch_source: str = ""
+    """Where ``batch_size`` came from (``"batch_size="``, ``"fit(batch_size=8)"``...);
+    empty for the default of 1."""
     never_recomputed: List[str] = field(default_factory=list)
     """Forward ops that cannot be copied safely (stateful, random; variable
     reads are left out): kept from the forward pass and differentiated
@@ -102,6 +108,8 @@ class Plan:
                   f"{self.plain_peak / max(self.predicted_peak, 1):.2f}x lower)")
         if self.budget is not None:
             out.write(f", budget {self.budget / mib:.1f} MiB")
+        if self.batch_source:  # unset when no batch size was given or found
+            out.write(f"\nsized for batch {self.batch_size} ({self.batch_source})")
         out.write(f"\npredicted compute {self.predicted_compute:.2f}x a plain step")
         if self.predicted_seconds is not None and self.plain_seconds:
             out.write(f"; predicted step time {self.predicted_seconds / self.plain_seconds:.2f}x plain "
