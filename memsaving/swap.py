@@ -52,7 +52,12 @@ class CostModel:
 def swappable(model: GraphModel, actions: Sequence, forward_end: int) -> List[int]:
     """Forward tensors the backward part reads straight from the forward pass
     (kept tensors: checkpoints, inputs of ops never recomputed): the ones a
-    swap can take off the device between the two passes."""
+    swap can take off the device between the two passes.
+
+    Outputs of parameter ops (:func:`memsaving.candidates.parameter_ops`)
+    stay resident anyway; outputs of ops that are not forward (an input
+    scaled or filled inside the step) are not offered: the emitter copies
+    forward tensors only."""
     from memsaving.candidates import parameter_ops  # pylint: disable=import-outside-toplevel
 
     parameters = parameter_ops(model)  # weights and their reshapes stay resident anyway
@@ -62,7 +67,9 @@ def swappable(model: GraphModel, actions: Sequence, forward_end: int) -> List[in
             if key[0] != "f":
                 continue
             info = model.tensors[key[1]]
-            if info.producer >= 0 and info.producer not in parameters and info.trainable and info.nbytes > 0:
+            if info.producer < 0 or info.producer in parameters or not model.ops[info.producer].forward:
+                continue
+            if info.trainable and info.nbytes > 0:
                 found.add(key[1])
     return sorted(found)
 
