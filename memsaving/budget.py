@@ -72,7 +72,8 @@ def parse_bytes(value: Union[int, float, str]) -> int:
     else:
         raise TypeError(f"budget={value!r} ({type(value).__name__}) is not a memory size: give {_BUDGET_FORMS}")
     if number < 1:
-        raise ValueError(f"budget={value!r} is {number:g} bytes, less than one byte: give {_BUDGET_FORMS}")
+        raise ValueError(f"budget={value!r} is {number:g} bytes; a budget must be a positive number of bytes, "
+                         f"at least one: give {_BUDGET_FORMS}")
     if number != int(number):
         raise ValueError(f"budget={value!r} is {number:g} bytes, a fraction of a byte (a unit missing?): "
                          f"give {_BUDGET_FORMS}")

@@ -86,8 +86,8 @@ def test_parse_bytes(text, expected):
 
 
 @pytest.mark.parametrize("bad, says", [
-    ("two gigs", "cannot read"), ("-1GiB", "cannot read"), (0, "less than one byte"), ("5 parsecs", "cannot read"),
-    (1.5, "fraction of a byte"), ("0.5", "less than one byte"), ("2.5B", "fraction of a byte"),
+    ("two gigs", "cannot read"), ("-1GiB", "cannot read"), (0, "positive number of bytes"), ("5 parsecs", "cannot read"),
+    (1.5, "fraction of a byte"), ("0.5", "positive number of bytes"), ("2.5B", "fraction of a byte"),
 ])
 def test_parse_bytes_rejects(bad, says):
     """Each refusal names the problem and the accepted forms (a unit, e.g. '2GiB')."""
