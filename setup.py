@@ -19,6 +19,10 @@ setup(
         "plot": ["matplotlib>=3.7"],
         "test": ["pytest>=8", "hypothesis>=6.100", "scipy>=1.10", "matplotlib>=3.7",
                  "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6.25"],
+        # keras_hub backbones (GPT2, BERT) in experiments.bench_budget_promise.  keras-hub requires
+        # tensorflow-text, which requires the full `tensorflow` distribution (same version as
+        # tensorflow-cpu); keras_hub's backbones import and run without tensorflow-text.
+        "bench": ["keras-hub==0.32.0"],
     },
     entry_points={"console_scripts": ["memsaving=memsaving.cli:main"]},
 )

@@ -55,6 +55,73 @@ def transformer(size: int = 64, layers: int = 4, dim: int = 128, heads: int = 4,
     return keras.Model(tokens, keras.layers.Dense(vocab)(h), name="transformer")
 
 
+def residual_convnet(size: int = 32, blocks: int = 8, filters: tuple = (16, 32)) -> keras.Model:
+    """A small ResNet: Conv2D + BatchNorm blocks with identity skips (``Add``).
+
+    The blocks are split evenly between the widths in ``filters``; each new
+    width starts with a strided block whose skip is a 1x1 projection.
+    """
+    inputs = keras.Input((size, size, 3))
+    h = keras.layers.Conv2D(filters[0], 3, padding="same", use_bias=False)(inputs)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Activation("relu")(h)
+    per_width = max(blocks // len(filters), 1)
+    for stage, width in enumerate(filters):
+        for block in range(per_width):
+            stride = 2 if stage > 0 and block == 0 else 1
+            skip = h
+            if stride != 1 or skip.shape[-1] != width:
+                skip = keras.layers.Conv2D(width, 1, strides=stride, use_bias=False)(skip)
+                skip = keras.layers.BatchNormalization()(skip)
+            r = keras.layers.Conv2D(width, 3, strides=stride, padding="same", use_bias=False)(h)
+            r = keras.layers.BatchNormalization()(r)
+            r = keras.layers.Activation("relu")(r)
+            r = keras.layers.Conv2D(width, 3, padding="same", use_bias=False)(r)
+            r = keras.layers.BatchNormalization()(r)
+            h = keras.layers.Activation("relu")(keras.layers.Add()([skip, r]))
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    return keras.Model(inputs, keras.layers.Dense(10)(h), name="residual_convnet")
+
+
+def two_tower(size: int = 256, depth: int = 12, width: int = 256) -> keras.Model:
+    """Two ReLU Dense towers of ``depth`` layers on one input, concatenated."""
+    inputs = keras.Input((size,))
+    towers = []
+    for _ in range(2):
+        h = inputs
+        for _ in range(depth):
+            h = keras.layers.Dense(width, activation="relu")(h)
+        towers.append(h)
+    h = keras.layers.Concatenate()(towers)
+    return keras.Model(inputs, keras.layers.Dense(10)(h), name="two_tower")
+
+
+def attention_encoder(size: int = 128, blocks: int = 3, dim: int = 128, heads: int = 4) -> keras.Model:
+    """Pre-norm transformer blocks (LayerNormalization, MultiHeadAttention,
+    Dense) over ``size`` positions of ``dim`` float features (no embedding);
+    returns the sequence."""
+    inputs = keras.Input((size, dim))
+    h = inputs
+    for _ in range(blocks):
+        a = keras.layers.LayerNormalization()(h)
+        a = keras.layers.MultiHeadAttention(heads, dim // heads)(a, a)
+        h = keras.layers.Add()([h, a])
+        f = keras.layers.LayerNormalization()(h)
+        f = keras.layers.Dense(4 * dim, activation="gelu")(f)
+        f = keras.layers.Dense(dim)(f)
+        h = keras.layers.Add()([h, f])
+    return keras.Model(inputs, keras.layers.LayerNormalization()(h), name="attention_encoder")
+
+
+def recurrent(size: int = 64, features: int = 32, units: int = 128) -> keras.Model:
+    """Dense input projection, then LSTM and GRU over ``size`` steps (whole sequences)."""
+    inputs = keras.Input((size, features))
+    h = keras.layers.Dense(units)(inputs)
+    h = keras.layers.LSTM(units, return_sequences=True)(h)
+    h = keras.layers.GRU(units, return_sequences=True)(h)
+    return keras.Model(inputs, keras.layers.Dense(10)(h), name="recurrent")
+
+
 BUILDERS: Dict[str, Callable[[int], keras.Model]] = {
     "mlp": mlp,
     "resnet50": lambda s: keras.applications.ResNet50(weights=None, input_shape=(s, s, 3), classes=10),
@@ -62,6 +129,12 @@ BUILDERS: Dict[str, Callable[[int], keras.Model]] = {
     "mobilenet": lambda s: keras.applications.MobileNetV2(weights=None, input_shape=(s, s, 3), classes=10),
     "unet": unet,
     "transformer": transformer,
+    "resnet50v2": lambda s: keras.applications.ResNet50V2(weights=None, input_shape=(s, s, 3), classes=10),
+    "efficientnetb0": lambda s: keras.applications.EfficientNetB0(weights=None, input_shape=(s, s, 3), classes=10),
+    "residual_convnet": residual_convnet,
+    "two_tower": two_tower,
+    "attention_encoder": attention_encoder,
+    "recurrent": recurrent,
 }
 
 
