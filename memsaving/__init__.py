@@ -35,6 +35,7 @@ from memsaving.gradients import (  # noqa: E402
 from memsaving.patching import patch, patched, unpatch  # noqa: E402
 from memsaving.planning import Plan  # noqa: E402
 from memsaving.measure import measure_peak, measure_peak_increase  # noqa: E402
+from memsaving.fit_budget import fit_to_budget  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -60,6 +61,7 @@ __all__ = [
     "PeakMemoryUnavailableError",
     "UnsupportedGraphError",
     "checkpoint",
+    "fit_to_budget",
     "gradients",
     "gradients_and_plan",
     "gradients_collection",

@@ -10,13 +10,14 @@ as the safe default.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from dataclasses import replace
+from typing import Dict, List, Optional, Sequence, Set
 
 import numpy as np
 import tensorflow as tf
 
 from memsaving.forward import ForwardGraph, _topological, is_copyable, is_trainable
-from memsaving.graph import GraphModel, OpInfo, TensorInfo
+from memsaving.graph import GraphModel, OpInfo, ProfileSummary, TensorInfo
 
 EXTERNAL_OPS = frozenset({"Placeholder", "Const", "VarHandleOp", "NoOp"})
 ALIASING_OPS = frozenset({"ReadVariableOp", "Identity", "Snapshot", "StopGradient", "Reshape",
@@ -103,7 +104,11 @@ def _grad_reads(op: tf.Operation) -> List[tf.Tensor]:
     return [t for t in list(op.inputs) + list(op.outputs) if is_trainable(t) and t.dtype != tf.resource]
 
 
-def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional[int] = None) -> GraphModel:
+PROFILE_MODES = ("off", "cached", "measure")
+
+
+def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional[int] = None,
+                profile: str = "off") -> GraphModel:
     """The neutral model of the step that computes ``fwd.ys``.
 
     Args:
@@ -111,7 +116,12 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
       batch_size: replaces unknown dimensions in sizes and costs.
       resident_bytes: memory in use before the step; default: the bytes of the
         variables and inputs the step reads.
+      profile: kernel temporaries and run times (:mod:`memsaving.profiles`):
+        ``"measure"`` measures the op signatures the cache lacks,
+        ``"cached"`` uses only cached profiles, ``"off"`` none.
     """
+    if profile not in PROFILE_MODES:
+        raise ValueError(f"profile={profile!r}: use one of {PROFILE_MODES}")
     ancestors = set()
     stack = [y.op for y in fwd.ys]
     while stack:
@@ -125,6 +135,7 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
 
     ids: Dict[int, int] = {}
     tensors: Dict[int, TensorInfo] = {}
+    variants: Set[int] = set()
     resident = 0
 
     def tensor_id(t: tf.Tensor, producer: int) -> int:
@@ -142,24 +153,49 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
                     value_bytes = _external_bytes(t, batch_size)
             constant = producer < 0 and (t.op.type in ("Const", "VarHandleOp") or t.dtype == tf.resource)
             tensors[ids[key]] = TensorInfo(t.name, nbytes, producer, is_trainable(t), constant, value_bytes)
+            if t.dtype == tf.variant:
+                variants.add(ids[key])
         return ids[key]
 
     position = {op: i for i, op in enumerate(ops)}
+    run = None
+    if profile != "off":
+        from memsaving.profiles import profile_ops  # pylint: disable=import-outside-toplevel
+
+        run = profile_ops(ops, batch_size, measure=profile == "measure")
+    measured = run.profiles if run is not None else {}
     infos = []
     for i, op in enumerate(ops):
         inputs = tuple(tensor_id(t, position.get(t.op, -1)) for t in op.inputs)
         outputs = tuple(tensor_id(t, i) for t in op.outputs)
         reads = tuple(ids[id(t)] for t in _grad_reads(op))
-        infos.append(OpInfo(
+        info = OpInfo(
             name=op.name, type=op.type, inputs=inputs, outputs=outputs,
             forward=fwd.contains_op(op), copyable=is_copyable(op),
             grad_reads=reads, cost=op_flops(op, batch_size),
             forwards_input=op.type in FORWARDS_INPUT_OPS or op.type in ALIASING_OPS,
-        ))
+        )
+        if op.name in measured:
+            info = _with_profile(info, measured[op.name], tensors, variants)
+        infos.append(info)
     xs = [tensor_id(x, position.get(x.op, -1)) for x in fwd.xs]
     ys = [tensor_id(y, position.get(y.op, -1)) for y in fwd.ys]
+    summary = None
+    if run is not None:
+        summary = ProfileSummary(profile, run.measured, run.cached, run.missing, run.seconds, len(measured))
     return GraphModel(infos, tensors, xs, ys, resident if resident_bytes is None else resident_bytes,
-                      separate_result_kernels=True)
+                      separate_result_kernels=True, profile=summary)
+
+
+def _with_profile(info: OpInfo, profile, tensors: Dict[int, TensorInfo], variants: Set[int]) -> OpInfo:
+    """``info`` with its measured temporaries and times; variant outputs
+    (TensorLists), which static shapes cannot size, get the bytes they held
+    when measured."""
+    for t, held in zip(info.outputs, profile.output_bytes):
+        if t in variants and held > 0 and tensors[t].nbytes == 0:
+            tensors[t] = replace(tensors[t], nbytes=held)
+    return replace(info, temp_bytes=profile.temp_bytes, grad_temp_bytes=profile.grad_temp_bytes,
+                   saved_bytes=profile.saved_bytes, seconds=profile.seconds, grad_seconds=profile.grad_seconds)
 
 
 def _external_bytes(t: tf.Tensor, batch_size: int) -> int:

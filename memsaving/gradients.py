@@ -22,6 +22,7 @@ from memsaving import candidates
 from memsaving.budget import parse_bytes, plan_for_budget
 from memsaving.checkpoints import Checkpoints, resolve_checkpoints
 from memsaving.errors import CheckpointError
+from memsaving import fit_budget as _calibration
 from memsaving.extract import graph_model
 from memsaving.forward import forward_graph
 from memsaving.planning import Plan, make_plan
@@ -55,7 +56,7 @@ _PASSED_THROUGH = ("gate_gradients", "aggregation_method", "colocate_gradients_w
 _SWAP_KEYS = ("swap", "swap_device", "swap_trigger", "swap_lb", "swap_ub", "swap_fuse", "bandwidth",
               "flops_per_second", "swap_backend")
 ACCEPTED_KEYWORDS = frozenset(_PASSED_THROUGH + ("name", "stop_gradients", "unconnected_gradients", "batch_size")
-                      + _SWAP_KEYS)
+                      + _SWAP_KEYS + ("profile",))
 
 
 def _as_list(value) -> list:
@@ -125,7 +126,11 @@ def gradients(
         ``stop_gradients``, ``unconnected_gradients`` and
         ``colocate_gradients_with_ops``, with tf.gradients' meaning; and
         ``batch_size``, the size given to unknown dimensions when predicting
-        memory for ``budget`` (default 1).
+        memory for ``budget`` (default 1); ``profile``: True measures each
+        op's kernel temporaries and run times on this device
+        (:mod:`memsaving.profiles`, cached on disk), False leaves them out;
+        by default they are measured with ``budget`` or ``"memory"`` and
+        otherwise taken from the cache when there.
 
     Stateful ops (variable reads, random ops, calls with side effects) and
     control-flow ops are never recomputed; their outputs are kept.
@@ -194,6 +199,7 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
         ys, xs = _graph_tensors(ys, xs)
         grad_ys = _graph_grad_ys(grad_ys, ys)
         fwd, plan_ = _plan(ys, xs, checkpoints, budget, kwargs)
+        _calibration.record_plan(plan_)  # memsaving.fit_to_budget collects the plans of the step it traces
         by_name = {op.name: op for op in fwd.ops}
         kept = {by_name[n] for n in plan_.kept_ops if n in by_name}
         kept |= {by_name[n] for names in plan_.inner_checkpoints.values() for n in names}
@@ -387,13 +393,35 @@ def _batch_size(value) -> int:
     return int(value)
 
 
+def _profile_mode(profile, checkpoints, budget) -> str:
+    """How kernel temporaries are profiled (:mod:`memsaving.profiles`).
+
+    Measured by default when the plan depends on predictions (a budget, or
+    ``"memory"``, which picks the plan of lowest predicted peak); otherwise
+    only profiles already cached are used, so that the predicted peaks,
+    plain backprop's included, still count them when known."""
+    if profile is None:
+        predicted = budget is not None or (isinstance(checkpoints, str) and checkpoints == "memory")
+        return "measure" if predicted else "cached"
+    if isinstance(profile, (bool, np.bool_)):
+        return "measure" if profile else "off"
+    raise ValueError(f"profile={profile!r} is not supported: use profile=True (measure kernel temporaries), "
+                     "profile=False (do not count them) or leave it out")
+
+
 def _plan(ys, xs, checkpoints, budget, kwargs) -> tuple:
     """Forward graph and plan shared by ``gradients`` and ``plan``."""
     check_checkpoints_argument(checkpoints)
     stop_gradients = _as_list(kwargs.get("stop_gradients") or [])
     fwd = forward_graph(xs, ys, stop_gradients)
     batch_size = _batch_size(kwargs.get("batch_size"))
-    fwd, plan_ = _plan_for_model(fwd, graph_model(fwd, batch_size=batch_size), checkpoints, budget, kwargs)
+    # Under memsaving.fit_to_budget or a Keras calibration, plan for the budget minus the measured excess.
+    planned_for = _calibration.planning_budget(budget)
+    profile = _profile_mode(kwargs.get("profile"), checkpoints, budget)
+    model = graph_model(fwd, batch_size=batch_size, profile=profile)
+    fwd, plan_ = _plan_for_model(fwd, model, checkpoints, planned_for, kwargs)
+    if planned_for is not budget:
+        plan_.budget = parse_bytes(budget)  # the budget asked for; the predicted peak fits the lower one
     plan_.batch_size = batch_size
     plan_.batch_source = "batch_size=" if kwargs.get("batch_size") is not None else ""
     return fwd, plan_
@@ -438,6 +466,7 @@ def plan(
     batch_size: Optional[int] = None,
     keep_x_gradients: bool = False,
     stop_gradients=None,
+    profile: Optional[bool] = None,
     **swap_kwargs,
 ) -> Plan:
     """The plan ``gradients`` would execute, with its predicted peak and compute.
@@ -452,6 +481,9 @@ def plan(
       keep_x_gradients: predict as if the gradients are returned and held
         until the end (True), or consumed as soon as made (False, default).
       stop_gradients: as for tf.gradients.
+      profile: True (default here: a plan is asked for its predictions)
+        measures each op's kernel temporaries and run times on this device,
+        whatever the checkpoints; False leaves them out.
       **swap_kwargs: ``swap`` and its options, as for :func:`gradients`.
     """
     unknown = sorted(set(swap_kwargs) - set(_SWAP_KEYS))
@@ -464,7 +496,7 @@ def plan(
     _check_tensors(xs, "xs")
     ys, xs = _graph_tensors(ys, xs)
     extra = {"stop_gradients": stop_gradients, "batch_size": batch_size, "keep_x_gradients": keep_x_gradients,
-             **swap_kwargs}
+             "profile": True if profile is None else profile, **swap_kwargs}
     return _plan(ys, xs, checkpoints, budget, extra)[1]
 
 

@@ -48,6 +48,17 @@ class OpInfo:
         kernels, write an output into the buffer of an input of the same
         size that nothing reads afterwards, allocating nothing
         (TensorFlow's ``forward_input_or_allocate_output``).
+      temp_bytes: memory the forward kernel holds while it runs, beyond
+        its inputs and outputs (work buffers); counted during each forward
+        and recompute action of the op.
+      grad_temp_bytes: the same for the op's gradient, beyond what its
+        backward action reads and writes; counted during that action.
+      saved_bytes: memory the forward op keeps for its gradient that is no
+        tensor of the model (a loop's accumulated intermediates, added to
+        the op when its gradient is built): written by the op's forward
+        (or recompute) action and freed after its backward action.
+      seconds, grad_seconds: measured run times of the op and of its
+        gradient; when present they time the action instead of ``cost``.
     """
 
     name: str
@@ -59,6 +70,33 @@ class OpInfo:
     grad_reads: Tuple[int, ...] = ()
     cost: float = 1.0
     forwards_input: bool = False
+    temp_bytes: int = 0
+    grad_temp_bytes: int = 0
+    saved_bytes: int = 0
+    seconds: Optional[float] = None
+    grad_seconds: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class ProfileSummary:
+    """How the kernel profiles of a model were obtained.
+
+    Attributes:
+      mode: ``"measure"`` (missing signatures measured), ``"cached"`` (only
+        profiles already cached were used) or ``"off"``.
+      measured: op signatures measured for this model.
+      cached: op signatures found in the cache.
+      missing: signatures without a profile (cache-only runs).
+      seconds: time spent profiling (cache look-ups included).
+      ops: ops of the model that carry a profile.
+    """
+
+    mode: str = "off"
+    measured: int = 0
+    cached: int = 0
+    missing: int = 0
+    seconds: float = 0.0
+    ops: int = 0
 
 
 @dataclass
@@ -72,6 +110,8 @@ class GraphModel:
       ys: tensor ids being differentiated.
       resident_bytes: memory in use before the step starts (parameters,
         inputs), included in every predicted peak.
+      profile: how the ops' measured temporaries and times were obtained
+        (:class:`ProfileSummary`), when they were.
       separate_result_kernels: an op's gradient with respect to an ``x`` (a
         weight gradient) is made by a kernel of its own and, unless the
         caller keeps the results, consumed before the op's other gradient
@@ -87,6 +127,8 @@ class GraphModel:
     resident_bytes: int = 0
     separate_result_kernels: bool = False
     _consumers: Optional[Dict[int, List[int]]] = field(default=None, repr=False)
+    profile: Optional[ProfileSummary] = None
+    """How kernel temporaries were profiled (None: never asked)."""
 
     def consumers(self, tensor: int) -> List[int]:
         """Indices of the ops reading ``tensor``."""

@@ -17,21 +17,33 @@ therefore also wraps the model's ``fit`` and ``train_on_batch`` (only to look
 at their arguments) and sizes the plan for the batch the data will have (see
 :func:`data_batch_size`); the plan records it as ``plan.batch_size``, and
 where it came from as ``plan.batch_source``.
+
+With a ``budget``, the budget is made to hold as *measured*: the first steps
+run by each newly traced train function are measured on the allocator, and
+when a peak is above the budget the margin is raised by the excess and
+the step is traced (and planned) again, as :func:`memsaving.fit_to_budget`
+does for a hand-written step (see :class:`_Calibrator`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
 import types
 import warnings
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import keras
 import tensorflow as tf
 
+from memsaving.budget import format_bytes, parse_bytes
+from memsaving.errors import BudgetError, PeakMemoryUnavailableError
+from memsaving.fit_budget import (MEASURED_STEPS, Calibration, CalibrationRound, budget_margin, calibration_error,
+                                  next_margin, planner_said, planning_budget_for)
 from memsaving.gradients import gradients_and_plan
+from memsaving.measure import _default_device, _reset
 from memsaving.planning import Plan
 
 logger = logging.getLogger("memsaving")
@@ -47,6 +59,7 @@ def enable(
     swap=False,
     batch_size: Optional[int] = None,
     verbose: bool = True,
+    calibration_rounds: int = 4,
 ) -> keras.Model:
     """Make ``model.fit`` / ``train_on_batch`` compute gradients with memsaving.
 
@@ -64,7 +77,19 @@ def enable(
         always wins over what is found.  Every unknown dimension, including
         unknown non-batch ones such as a variable sequence length, is sized
         with it.
-      verbose: print the plan's predicted peak when the step is traced.
+      verbose: print the plan's predicted peak when the step is traced, and
+        one line per calibration round.
+      calibration_rounds: with ``budget``, how many plans may be measured
+        above the budget in a row before ``memsaving.BudgetError`` is raised
+        (0: plan as predicted, never measure). The first two steps each
+        traced train function runs are measured with the allocator (the
+        higher peak counts; the whole device: weights, optimizer slots and
+        data count); when one is above the budget, the excess plus 2% of the
+        budget is taken off the budget the planner plans for and the step is
+        traced again for the next steps. Those steps are real training
+        steps. The error lists every round; its ``smallest_budget`` is the
+        lowest peak measured. :func:`calibration_of` returns the rounds;
+        calling ``enable`` again starts a new calibration.
 
     XLA (``jit_compile=True``) schedules the whole step itself and would
     ignore the recomputation order, so it is turned off for this model
@@ -77,6 +102,12 @@ def enable(
         )
     if swap == "auto" and budget is None:
         raise ValueError("memsaving.keras.enable(swap='auto') needs budget= (e.g. budget='2GiB')")
+    if isinstance(calibration_rounds, bool) or not isinstance(calibration_rounds, int) or calibration_rounds < 0:
+        raise ValueError(f"calibration_rounds={calibration_rounds!r}: give an int >= 0, how many measured "
+                         "plans may be above the budget in a row (0 turns measuring off)")
+    calibrator = None
+    if budget is not None and calibration_rounds:
+        calibrator = _Calibrator(parse_bytes(budget), calibration_rounds)  # a bad budget fails here
     previous = getattr(model, _SETTINGS, None)
     settings = {
         "checkpoints": checkpoints,
@@ -84,6 +115,7 @@ def enable(
         "swap": swap,
         "batch_size": batch_size,
         "verbose": verbose,
+        "calibrator": calibrator,
         "jit_compile": previous["jit_compile"] if previous else model.jit_compile,
     }
     object.__setattr__(model, _SETTINGS, settings)
@@ -121,6 +153,18 @@ def plan_of(model: keras.Model) -> Optional[Plan]:
     ``"traced input shape"``, ...).
     """
     return model.__dict__.get(_PLAN)
+
+
+def calibration_of(model: keras.Model) -> Optional[Calibration]:
+    """The measured calibration rounds of ``enable(model, budget=...)`` (None without a budget).
+
+    ``.rounds`` lists, per measured plan, the budget it was planned for, its
+    predicted and its measured peak; ``.margin`` is what the planner takes
+    off the budget now; ``.fits`` says whether the last measured step fit.
+    """
+    settings = model.__dict__.get(_SETTINGS)
+    calibrator = settings and settings.get("calibrator")
+    return calibrator.report if calibrator else None
 
 
 def _first_leaf(data: Any) -> Any:
@@ -326,6 +370,7 @@ def _fit(self: keras.Model, *args, **kwargs):
         if "x" in arguments:
             arguments["x"] = x
         _note_data_batch(self, batch, source, exact=True)
+        _add_calibration_callback(self, bound)
         return original(*bound.args, **bound.kwargs)
     logger.warning("memsaving.keras: %s.fit has an unexpected signature; the plan's batch size is not "
                    "read from its arguments (pass enable(batch_size=N))", type(self).__name__)
@@ -333,10 +378,187 @@ def _fit(self: keras.Model, *args, **kwargs):
 
 
 def _train_on_batch(self: keras.Model, x, *args, **kwargs):
-    """``train_on_batch`` that records how many rows the step gets."""
+    """``train_on_batch`` that records how many rows the step gets (and measures it while calibrating)."""
     rows = _num_rows(x)
     _note_data_batch(self, rows, f"train_on_batch, {rows} rows", exact=False)
-    return type(self).train_on_batch(self, x, *args, **kwargs)
+    calibrator = self.__dict__[_SETTINGS]["calibrator"]
+    if calibrator is None:
+        return type(self).train_on_batch(self, x, *args, **kwargs)
+    measuring = calibrator.begin_step(self)
+    result = type(self).train_on_batch(self, x, *args, **kwargs)
+    if measuring:
+        calibrator.end_step(self)
+    return result
+
+
+class _Calibrator:
+    """Makes ``enable(model, budget=B)`` hold as measured.
+
+    At trace time the planner is given the current margin (it plans for
+    ``B - margin``) and the plans are noted.  The first steps run by a new
+    train function are measured: :meth:`begin_step` resets the allocator's
+    peak, :meth:`end_step` reads it.  At or under ``B`` for
+    :data:`MEASURED_STEPS` steps, nothing more is measured until Keras
+    builds another train function; above, the excess
+    plus 2% of ``B`` is added to the margin and the train function is
+    rebuilt, so the next step is traced and planned again.  ``max_rounds``
+    rounds above the budget in a row raise ``BudgetError``; when the lowered
+    budget is below what the planner can reach, the step is planned at the
+    planner's smallest feasible budget once.  Steps of a
+    train function already measured are left alone (the allocator's
+    statistics are not reset under them).
+    """
+
+    def __init__(self, budget: int, max_rounds: int):
+        self.report = Calibration(budget=budget)
+        self.max_rounds = max_rounds
+        self.plans: List[Plan] = []  # plans traced since the last measured step
+        self.over = 0  # rounds above the budget in a row
+        self.device = _default_device()
+        self.measured_function: Any = None  # the last train function judged
+        self.pending: Optional[list] = None  # [plans, highest peak, steps] of the trace being measured
+        self.off = False
+
+    @property
+    def margin(self) -> int:
+        """What the planner takes off the budget at the next trace."""
+        return self.report.margin
+
+    def traced(self, plan: Plan) -> None:
+        """Note a plan made while tracing, and restart the allocator's peak: the trace runs inside
+        the step being measured, and what planning allocates (op profiling) is not the step's."""
+        self.plans.append(plan)
+        if not self.off:
+            try:
+                _reset(self.device)
+            except PeakMemoryUnavailableError:
+                pass  # begin_step says so once, with what to do
+
+    def lower_to_floor(self, model: keras.Model, error: BudgetError) -> None:
+        """The margin asks for less than the planner's smallest feasible budget: plan at that floor
+        when it is below the last measured plan's predicted peak, else raise the rounds measured so far."""
+        budget = self.report.budget
+        floor = error.smallest_budget
+        last = self.report.rounds[-1].predicted_peak if self.report.rounds else budget
+        if floor is not None and floor < last and self.report.margin != budget - floor:
+            self.report.margin = budget - floor
+            return
+        raise calibration_error(
+            f"memsaving.keras ({model.name})", budget, self.report.rounds,
+            f"to leave room for the measured excess the planner must plan for "
+            f"{format_bytes(planning_budget_for(budget, self.report.margin))}, and finds no plan that small "
+            f"below the last one measured ({planner_said(error)}). Measured so far:", self.report) from error
+
+    def begin_step(self, model: keras.Model) -> bool:
+        """Before a step: reset the allocator's peak if the step runs a train function not judged yet
+        (or one traced again since)."""
+        judged = model.train_function is not None and model.train_function is self.measured_function
+        if self.off or (judged and not self.plans and self.pending is None):
+            return False
+        try:
+            _reset(self.device)
+        except PeakMemoryUnavailableError as error:
+            self.off = True
+            warnings.warn(f"memsaving.keras: the budget cannot be checked against measured peaks: {error}",
+                          stacklevel=3)
+            return False
+        return True
+
+    def end_step(self, model: keras.Model) -> None:
+        """After a measured step: record a calibration round, replan or raise when over the budget.
+
+        A new trace is judged on its first :data:`MEASURED_STEPS` steps (the
+        highest peak among them), or on its first step when that one is
+        already over the budget."""
+        measured = int(tf.config.experimental.get_memory_info(self.device)["peak"])
+        if self.plans:  # this step traced: a new round starts (an unfinished one is dropped)
+            self.pending = [self.plans, measured, 1]
+            self.plans = []
+        elif self.pending is not None:
+            self.pending[1] = max(self.pending[1], measured)
+            self.pending[2] += 1
+        else:
+            self.measured_function = model.train_function  # nothing memsaving planned was traced
+            return
+        plans, measured, steps = self.pending
+        budget = self.report.budget
+        if measured <= budget and steps < MEASURED_STEPS:
+            return  # measure the next step of this train function too
+        self.pending = None
+        self.measured_function = model.train_function
+        self._judge(model, plans, measured)
+
+    def _judge(self, model: keras.Model, plans: List[Plan], measured: int) -> None:
+        report = self.report
+        budget = report.budget
+        current = CalibrationRound(planning_budget_for(budget, report.margin),
+                                   max(p.predicted_peak for p in plans), measured)
+        report.rounds.append(current)
+        for plan in plans:
+            plan.measured_peak = measured
+        settings = model.__dict__[_SETTINGS]
+        line = f"memsaving: {model.name}: calibration round {len(report.rounds)}: {current.describe(budget)}"
+        if measured <= budget:
+            self.over = 0
+            report.plans = plans
+            _say(line, settings)
+            return
+        self.over += 1
+        if self.over >= self.max_rounds:
+            _say(line, settings)
+            raise calibration_error(
+                f"memsaving.keras ({model.name})", budget, report.rounds,
+                f"the measured peak of the train step stays above the budget of {format_bytes(budget)} after "
+                f"{self.over} round(s) in a row (enable(calibration_rounds={self.max_rounds})):", self.report)
+        report.margin = next_margin(report.margin, measured, budget, current.predicted_peak)
+        _say(f"{line}; replanning for {format_bytes(planning_budget_for(budget, report.margin))}", settings)
+        model.make_train_function(force=True)  # the next step traces, and plans, again
+
+
+class _CalibrationCallback(keras.callbacks.Callback):
+    """Brackets each step of ``fit`` for :class:`_Calibrator` (only the train function call is inside)."""
+
+    def __init__(self, calibrator: _Calibrator):
+        super().__init__()
+        self.calibrator = calibrator
+        self.measuring = False
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.measuring = self.calibrator.begin_step(self.model)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.measuring:
+            self.calibrator.end_step(self.model)
+
+
+def _add_calibration_callback(model: keras.Model, bound: inspect.BoundArguments) -> None:
+    """Add the calibration callback to ``fit``'s ``callbacks`` argument."""
+    calibrator = model.__dict__[_SETTINGS]["calibrator"]
+    if calibrator is None:
+        return
+    parameters = bound.signature.parameters
+    arguments = bound.arguments
+    if "callbacks" in parameters:
+        holder = arguments
+    else:
+        extra = next((n for n, p in parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+        if extra is None:
+            logger.warning("memsaving.keras: %s.fit takes no callbacks, so its steps are not measured against "
+                           "the budget", type(model).__name__)
+            return
+        holder = arguments.setdefault(extra, {})
+    given = holder.get("callbacks")
+    callback = _CalibrationCallback(calibrator)
+    if isinstance(given, keras.callbacks.CallbackList):
+        given.append(callback)
+    else:
+        holder["callbacks"] = list(given or []) + [callback]
+
+
+def _say(line: str, settings: Dict[str, Any]) -> None:
+    logger.info(line)
+    if settings["verbose"]:
+        print(line)
 
 
 def _plan_batch(model: keras.Model, x: Any, settings: Dict[str, Any]) -> Tuple[int, int, str]:
@@ -406,12 +628,23 @@ def _train_step(self: keras.Model, data):
     if self.trainable_weights:
         weights = self.trainable_weights
         unknown_size, batch, source = _plan_batch(self, x, settings)
-        grads, plan = gradients_and_plan(
-            loss, weights, checkpoints=settings["checkpoints"], budget=settings["budget"],
-            batch_size=unknown_size, swap=settings["swap"] or None,
-        )
+        calibrator = settings["calibrator"]
+        while True:
+            with budget_margin(calibrator.margin) if calibrator else contextlib.nullcontext():
+                try:
+                    grads, plan = gradients_and_plan(
+                        loss, weights, checkpoints=settings["checkpoints"], budget=settings["budget"],
+                        batch_size=unknown_size, swap=settings["swap"] or None,
+                    )
+                    break
+                except BudgetError as error:
+                    if calibrator is None or not calibrator.margin:
+                        raise
+                    calibrator.lower_to_floor(self, error)  # plan at the planner's floor, or raise
         plan.batch_size = batch
         plan.batch_source = source
+        if calibrator:
+            calibrator.traced(plan)
         _report(self, plan, settings)
         self.optimizer.apply_gradients(zip(grads, weights))
     else:

@@ -84,6 +84,19 @@ class Plan:
     """Forward ops that cannot be copied safely (stateful, random; variable
     reads are left out): kept from the forward pass and differentiated
     where they are."""
+    measured_peak: Optional[int] = None
+    """The allocator's peak bytes measured for the step that executes this
+    plan, set by ``memsaving.fit_to_budget`` and ``memsaving.keras``'
+    calibration (None when not measured)."""
+    profile_mode: str = "off"
+    """How kernel temporaries entered the predictions (:mod:`memsaving.profiles`):
+    ``"measure"``, ``"cached"`` (only profiles already cached) or ``"off"``."""
+    profiled_signatures: int = 0
+    """Op signatures measured for this plan (run alone on the device)."""
+    cached_signatures: int = 0
+    """Op signatures whose profiles came from the cache."""
+    profile_seconds: float = 0.0
+    """Time spent profiling, measuring and cache look-ups included."""
 
     def explain(self, file: Optional[TextIO] = None) -> str:
         """Print a readable table of the plan (to ``file``, default stdout) and return it."""
@@ -108,8 +121,15 @@ class Plan:
                   f"{self.plain_peak / max(self.predicted_peak, 1):.2f}x lower)")
         if self.budget is not None:
             out.write(f", budget {self.budget / mib:.1f} MiB")
+        if self.measured_peak is not None:
+            out.write(f"\nmeasured peak {self.measured_peak / mib:.1f} MiB")
+            if self.budget is not None:
+                out.write(f" (budget {self.budget / mib:.1f} MiB)")
         if self.batch_source:  # unset when no batch size was given or found
             out.write(f"\nsized for batch {self.batch_size} ({self.batch_source})")
+        if self.profile_mode == "measure" or self.cached_signatures:
+            out.write(f"\nkernel temporaries: {self.profiled_signatures} op signatures profiled, "
+                      f"{self.cached_signatures} from cache, {self.profile_seconds:.1f} s")
         out.write(f"\npredicted compute {self.predicted_compute:.2f}x a plain step")
         if self.predicted_seconds is not None and self.plain_seconds:
             out.write(f"; predicted step time {self.predicted_seconds / self.plain_seconds:.2f}x plain "
@@ -195,4 +215,14 @@ def make_plan(
         plain_seconds=plain.step_seconds,
         steps=steps,
         simulation=sim,
+        **_profile_fields(model),
     )
+
+
+def _profile_fields(model: GraphModel) -> dict:
+    """The Plan fields saying how the model's kernel temporaries were profiled."""
+    summary = model.profile
+    if summary is None:
+        return {}
+    return {"profile_mode": summary.mode, "profiled_signatures": summary.measured,
+            "cached_signatures": summary.cached, "profile_seconds": summary.seconds}

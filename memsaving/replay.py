@@ -25,7 +25,8 @@ from typing import Dict, Iterable, List, Sequence, Set, Tuple
 
 from memsaving.graph import GraphModel, gradient_sinks
 from memsaving.schedule import backward_units, kept_set, recomputes_anchor
-from memsaving.simulate import BACKWARD_COST_FACTOR, Action, Key, Simulation, _replay, result_keys
+from memsaving.simulate import (BACKWARD_COST_FACTOR, Action, Key, Simulation, _replay, op_action, result_keys,
+                                 saved_key)
 
 Event = Tuple[str, int]
 
@@ -216,7 +217,9 @@ def _forward_action(model: GraphModel, i: int, runs: List[int]) -> Action:
     label = "forward" if runs[i] == 0 else "recompute"
     runs[i] += 1
     writes = [(("f", t, runs[i]), model.tensors[t].nbytes) for t in op.outputs]
-    return Action(f"{label} {op.name}", reads, writes, op.cost, forwards_buffers=op.forwards_input)
+    if op.saved_bytes and op.forward:
+        writes.append((saved_key(i, runs[i]), op.saved_bytes))
+    return op_action(op, f"{label} {op.name}", reads, writes)
 
 
 def _seed_action(model: GraphModel, grads: _Gradients) -> Action:
@@ -240,6 +243,8 @@ def _backward_action(model: GraphModel, i: int, runs: List[int], grads: _Gradien
     reads = [grads.key(t) for t in op.outputs if t in grads.version]
     reads += [_tensor_key(model, t, runs, f"gradient of {op.name}") for t in op.grad_reads
               if model.tensors[t].producer >= 0]
+    if op.saved_bytes:
+        reads.append(saved_key(i, runs[i]))  # what the latest computation kept
     writes: List[Tuple[Key, int]] = []
     for t in op.inputs:
         if _receives_gradient(model, t, grads.xs):
@@ -247,5 +252,4 @@ def _backward_action(model: GraphModel, i: int, runs: List[int], grads: _Gradien
             producer = model.tensors[t].producer
             if producer in pending and t not in grads.xs:
                 pending[producer] -= 1
-    return Action(f"backward {op.name}", reads, writes, BACKWARD_COST_FACTOR * op.cost,
-                  forwards_buffers=op.forwards_input, results=result_keys(model, writes))
+    return op_action(op, f"backward {op.name}", reads, writes, backward=True, results=result_keys(model, writes))

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from memsaving.graph import GraphModel, gradient_sinks
+from memsaving.graph import GraphModel, OpInfo, gradient_sinks
 from memsaving.schedule import Inner, Unit, backward_units, kept_set, recomputes_anchor
 from memsaving.swap import CostModel, add_swaps, timed_replay
 
@@ -39,6 +39,34 @@ class Action:
     results: Tuple[Key, ...] = ()
     """Written result gradients made by kernels of their own
     (:attr:`memsaving.graph.GraphModel.separate_result_kernels`)."""
+    temp: int = 0
+    """Bytes the kernel holds only while it runs (work buffers): in use
+    during the action on top of its reads and writes, freed at its end."""
+    seconds: Optional[float] = None
+    """Measured run time; timed replays use it instead of ``cost``."""
+
+
+def op_action(op: OpInfo, label: str, reads: List[Key], writes: List[Tuple[Key, int]], backward: bool = False,
+              results: Tuple[Key, ...] = ()) -> Action:
+    """The action running ``op`` (forward or recompute) or its gradient
+    (``backward``): the one place that says what an op's kernels cost.
+
+    A forward or recompute action holds the op's forward temporary and is
+    timed by its forward seconds; the backward action holds the gradient's
+    temporary and is timed by the gradient's seconds.  Costs stay FLOP
+    estimates (the backward ``BACKWARD_COST_FACTOR`` times the forward)."""
+    if backward:
+        return Action(label, reads, writes, BACKWARD_COST_FACTOR * op.cost, forwards_buffers=op.forwards_input,
+                      results=results, temp=op.grad_temp_bytes, seconds=op.grad_seconds)
+    return Action(label, reads, writes, op.cost, forwards_buffers=op.forwards_input, temp=op.temp_bytes,
+                  seconds=op.seconds)
+
+
+def saved_key(i: int, *version) -> Key:
+    """Key of the memory op ``i`` keeps for its gradient
+    (:attr:`memsaving.graph.OpInfo.saved_bytes`); ``version`` tells
+    recomputations apart."""
+    return ("w", i) + tuple(version)
 
 
 @dataclass
@@ -190,10 +218,12 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List
     tensors = model.tensors
     xs = gradient_sinks(model)  # their gradients are results, one buffer each
     actions: List[Action] = []
-    for op in model.ops:
+    for i, op in enumerate(model.ops):
         reads = [("f", t) for t in op.inputs if tensors[t].producer >= 0]
         writes = [(("f", t), tensors[t].nbytes) for t in op.outputs]
-        actions.append(Action(f"forward {op.name}", reads, writes, op.cost, forwards_buffers=op.forwards_input))
+        if op.saved_bytes and op.forward:
+            writes.append((saved_key(i), op.saved_bytes))
+        actions.append(op_action(op, f"forward {op.name}", reads, writes))
 
     grad_version: Dict[int, int] = {}
 
@@ -234,6 +264,9 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List
             return
         for t in op.grad_reads:
             reads.append(source(t, local))
+        if op.saved_bytes:
+            key = saved_key(i)
+            reads.append(local.get(key) or sources.get(key) or key)
         writes: List[Tuple[Key, int]] = []
         for t in op.inputs:
             info = tensors[t]
@@ -241,8 +274,8 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List
                 continue
             if t in xs or (info.producer >= 0 and model.ops[info.producer].forward):
                 add_gradient(t, reads, writes)
-        actions.append(Action(f"{label} {op.name}", reads, writes, BACKWARD_COST_FACTOR * op.cost,
-                              forwards_buffers=op.forwards_input, results=result_keys(model, writes)))
+        actions.append(op_action(op, f"{label} {op.name}", reads, writes, backward=True,
+                                 results=result_keys(model, writes)))
 
     for unit in units:
         local: Dict[int, Key] = {}
@@ -260,8 +293,10 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List
                 for t in op.outputs:
                     local[t] = (tag, unit.anchor, t)
                     writes.append((local[t], tensors[t].nbytes))
-                actions.append(Action(f"{label} {op.name}", reads, writes, op.cost,
-                                      forwards_buffers=op.forwards_input))
+                if op.saved_bytes and unit.kind == "segment":  # advance copies are not differentiated
+                    local[saved_key(i)] = saved_key(i, tag, unit.anchor)
+                    writes.append((local[saved_key(i)], op.saved_bytes))
+                actions.append(op_action(op, f"{label} {op.name}", reads, writes))
         if unit.kind == "advance":
             sources.update(local)
         else:
@@ -290,7 +325,8 @@ def _replay(actions: List[Action], pinned: Set[Key]) -> Tuple[List[int], int]:
 
     A buffer is freed after the last action that reads it (right after it is
     written when nothing reads it), or handed to an in-place write
-    (:func:`donations`); ``pinned`` buffers are never freed.
+    (:func:`donations`); ``pinned`` buffers are never freed.  An action's
+    temporary (:attr:`Action.temp`) is in use while it runs, not after.
     """
     last_read: Dict[Key, int] = {}
     for i, action in enumerate(actions):
@@ -318,7 +354,7 @@ def _replay(actions: List[Action], pinned: Set[Key]) -> Tuple[List[int], int]:
                 in_use -= live.pop(donor, 0)  # the write takes over its buffer
             in_use += nbytes - live.get(key, 0)
             live[key] = nbytes
-        peak = max(peak, in_use)
+        peak = max(peak, in_use + action.temp)  # the kernel's work buffers, freed when it ends
         for key in dies_at.get(i, ()):
             in_use -= live.pop(key, 0)
         timeline.append(in_use)

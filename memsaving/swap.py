@@ -155,9 +155,11 @@ def timed_replay(actions: Sequence, cost: CostModel, pinned: Set = frozenset()) 
     Compute actions run one after the other in list order (cost in FLOPs);
     transfers run on their own stream in list order (cost in bytes), each
     once its inputs exist; a swap-in also waits for the compute action
-    before it in the list (its trigger).  A buffer is allocated when its
+    before it in the list (its trigger).  A compute action with measured
+    ``seconds`` takes that long instead.  A buffer is allocated when its
     writer starts and freed when its last reader ends (or handed to an
-    in-place write: :func:`memsaving.simulate.donations`).
+    in-place write: :func:`memsaving.simulate.donations`); an action's
+    ``temp`` is in use from its start to its end.
     """
     from memsaving.simulate import consumed_at_once, donations  # pylint: disable=import-outside-toplevel
 
@@ -169,7 +171,8 @@ def timed_replay(actions: Sequence, cost: CostModel, pinned: Set = frozenset()) 
         after = max((ready.get(key, 0.0) for key in action.reads), default=0.0)
         stream = action.stream
         if stream == "compute":
-            duration = action.cost / cost.flops_per_second
+            # measured seconds when the op was profiled, else from the FLOP estimate
+            duration = action.seconds if action.seconds is not None else action.cost / cost.flops_per_second
         else:
             duration = action.cost / cost.bandwidth
             if stream == "h2d":
@@ -199,6 +202,8 @@ def timed_replay(actions: Sequence, cost: CostModel, pinned: Set = frozenset()) 
     # actions before it and before its own frees, as in the order replay
     events = []
     for i, (action, start, end) in enumerate(zip(actions, starts, ends)):
+        if action.temp > 0:  # work buffers: after the action's allocations, freed before its reads are
+            events += [(start, i + 0.1, action.temp), (end, i + 0.4, -action.temp)]
         for key, nbytes in action.writes:
             if nbytes <= 0:
                 continue

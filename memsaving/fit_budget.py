@@ -1,0 +1,393 @@
+"""Make a budget hold as *measured*, not only as predicted.
+
+The planner sizes a plan with a simulator, and the allocator's real peak runs
+above the prediction: kernel temporaries, the executor's order, Grappler's
+rewrites and everything else living on the device are not in the model.
+:func:`fit_to_budget` closes the loop: it runs the training step, measures
+its peak with :func:`memsaving.measure_peak`, and when the peak is above the
+budget it replans with the measured excess taken off the budget, until the
+measured peak fits or the rounds run out.
+
+The planner learns the excess through a *margin* that this module keeps in a
+context variable while a step is traced: ``memsaving.gradients`` plans for
+``budget - margin`` (:func:`planning_budget`, read where the budget is parsed
+for planning) and hands every plan it makes to :func:`record_plan`, so the
+caller sees the plans of the step it traced without the step returning them.
+``memsaving.keras.enable(model, budget=...)`` uses the same margin for its
+own calibration during ``fit``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
+
+import numpy as np
+import tensorflow as tf
+
+from memsaving.budget import format_bytes, parse_bytes
+from memsaving.errors import BudgetError
+from memsaving.measure import measure_peak
+from memsaving.planning import Plan
+
+logger = logging.getLogger("memsaving")
+
+MEASURED_STEPS = 2
+"""Steps measured per plan, after the warm-up; the highest peak counts. The
+peak of one traced step moves by a few tensors from one run to the next
+(TensorFlow's executor orders ready ops partly by their measured cost)."""
+
+SLACK = 0.02
+"""Fraction of the budget added to each measured excess: the next plan aims a
+little lower than the excess alone, so a peak that moves by a few kilobytes
+from one trace to the next does not cost another round."""
+
+
+@dataclass
+class _Margin:
+    """What one traced step sees: the margin, and the plans made under it."""
+
+    margin: int
+    plans: List[Plan] = field(default_factory=list)
+
+
+_ACTIVE: contextvars.ContextVar[Optional[_Margin]] = contextvars.ContextVar("memsaving_budget_margin",
+                                                                             default=None)
+
+
+@contextlib.contextmanager
+def budget_margin(margin: int) -> Iterator[_Margin]:
+    """While active, ``memsaving.gradients(..., budget=B)`` plans for ``B - margin``.
+
+    Yields the record that collects every plan ``memsaving.gradients`` makes
+    inside (the calls happen when a ``tf.function`` is traced, so enter this
+    around the trace, not around later calls of the traced function).
+    """
+    record = _Margin(int(margin))
+    token = _ACTIVE.set(record)
+    try:
+        yield record
+    finally:
+        _ACTIVE.reset(token)
+
+
+def planning_budget(budget: Optional[Union[int, float, str]]) -> Optional[Union[int, float, str]]:
+    """The budget the planner should plan for: ``budget`` minus the active margin.
+
+    ``budget`` itself when no margin is active or no budget was given (so
+    plans made outside a calibration are unchanged).  Never below one byte:
+    a margin larger than the budget leaves a budget nothing fits, and the
+    planner then says so with a ``BudgetError``.
+    """
+    record = _ACTIVE.get()
+    if budget is None or record is None or not record.margin:
+        return budget
+    return max(1, parse_bytes(budget) - record.margin)
+
+
+def record_plan(plan: Plan) -> None:
+    """Hand a plan ``memsaving.gradients`` executes to the active calibration, if any."""
+    record = _ACTIVE.get()
+    if record is not None:
+        record.plans.append(plan)
+
+
+@dataclass(frozen=True)
+class CalibrationRound:
+    """One measured step: what was planned for, predicted and measured (bytes)."""
+
+    planned_for: int
+    """The budget the planner planned for: the budget minus the margin."""
+    predicted_peak: int
+    """The largest predicted peak among the step's plans."""
+    measured_peak: int
+    """The allocator's peak during the step (everything on the device)."""
+
+    def describe(self, budget: int) -> str:
+        verdict = "fits" if self.measured_peak <= budget else "over"
+        return (f"planned for {format_bytes(self.planned_for)}, predicted {format_bytes(self.predicted_peak)}, "
+                f"measured {format_bytes(self.measured_peak)} ({verdict})")
+
+
+@dataclass
+class Calibration:
+    """The record of :func:`fit_to_budget` (also ``step.calibration`` on its result).
+
+    Attributes:
+      budget: the budget in bytes the measured peak must stay under.
+      rounds: every measured round, first to last.
+      margin: bytes taken off the budget when the returned step was planned.
+      plans: the plans ``memsaving.gradients`` made when the returned step was
+        traced (one per call; more if it is traced again for new shapes);
+        their ``measured_peak`` is set.
+    """
+
+    budget: int
+    rounds: List[CalibrationRound] = field(default_factory=list)
+    margin: int = 0
+    plans: List[Plan] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        """True when the last measured round fits the budget."""
+        return bool(self.rounds) and self.rounds[-1].measured_peak <= self.budget
+
+    @property
+    def measured_peak(self) -> Optional[int]:
+        return self.rounds[-1].measured_peak if self.rounds else None
+
+    @property
+    def predicted_peak(self) -> Optional[int]:
+        return self.rounds[-1].predicted_peak if self.rounds else None
+
+    def __str__(self) -> str:
+        lines = [f"memsaving calibration for a budget of {format_bytes(self.budget)}:"]
+        lines += [f"  round {n}: {r.describe(self.budget)}" for n, r in enumerate(self.rounds, 1)]
+        return "\n".join(lines)
+
+
+def next_margin(margin: int, measured: int, budget: int, predicted: int) -> int:
+    """The margin for the next round: the measured excess, plus :data:`SLACK`, added on.
+
+    At least enough to plan below ``predicted``, the predicted peak of the
+    plan just measured: that plan fits any budget above it, so the planner
+    would return it again and the round would measure the same plan twice.
+    """
+    return max(margin + (measured - budget) + int(math.ceil(SLACK * budget)), budget - predicted + 1)
+
+
+def calibration_error(what: str, budget: int, rounds: Sequence[CalibrationRound], reason: str,
+                      calibration: Optional[Calibration] = None) -> BudgetError:
+    """A BudgetError listing every round; ``.smallest_budget`` is the lowest peak measured.
+
+    Used by :func:`fit_to_budget` and by ``memsaving.keras``' calibration.
+
+    The lowest measured peak is a budget some plan did fit when measured
+    (None when nothing was measured); it is the only figure in the message
+    written as ``(N bytes)``, the form ``BudgetError.smallest_budget`` reads.
+    ``calibration``, when given, is attached as ``error.calibration``.
+    """
+    lines = [f"{what}: {reason}"]
+    lines += [f"  round {n}: {r.describe(budget)}" for n, r in enumerate(rounds, 1)]
+    if rounds:
+        best = min(range(len(rounds)), key=lambda n: rounds[n].measured_peak)
+        lowest = rounds[best].measured_peak
+        lines.append(f"The smallest budget that fit when measured is {format_bytes(lowest)} ({lowest} bytes), "
+                     f"the peak of round {best + 1}. Raise the budget to at least that, allow more rounds, "
+                     "or reduce the batch size.")
+    else:
+        lines.append("Raise the budget or reduce the batch size.")
+    error = BudgetError("\n".join(lines))
+    error.calibration = calibration
+    return error
+
+
+def fit_to_budget(
+    step_fn: Callable[..., Any],
+    *args: Any,
+    budget: Union[int, float, str],
+    max_rounds: int = 4,
+    device: Optional[str] = None,
+    restore_variables: bool = False,
+    verbose: bool = False,
+    **kwargs: Any,
+) -> tf.types.experimental.PolymorphicFunction:
+    """Trace ``step_fn`` so that its *measured* peak memory fits ``budget``.
+
+    The planner inside ``memsaving.gradients(..., budget=B)`` meets ``B`` as
+    predicted by its simulator; the allocator's real peak is usually higher.
+    This function measures it and replans until it fits:
+
+    1. trace ``tf.function(step_fn)`` with ``args`` / ``kwargs``, run it once
+       (warm-up), then twice more under :func:`memsaving.measure_peak`; the
+       higher peak counts (a step's peak moves by a few tensors from one
+       run to the next);
+    2. if the measured peak is above ``budget``, add the excess (plus 2% of
+       the budget, and at least enough to plan below the plan just
+       measured) to a *margin*, and trace again: every
+       ``memsaving.gradients(..., budget=B)`` in the step now plans for
+       ``B - margin`` (or, when that is below the smallest budget the
+       planner can reach, at that smallest budget if it is below the last
+       plan's predicted peak);
+    3. stop when the measured peak fits, or raise after ``max_rounds``.
+
+    **Every round runs the step three times for real**: optimizer updates
+    and other side effects happen (3 to ``3 * max_rounds`` training steps
+    on the data given).  Pass ``restore_variables=True`` to put every
+    variable the step reads or writes (weights, optimizer slots and
+    counters, random generator states) back to its value from before
+    calibration; the copies are held in host memory, outside TensorFlow's
+    allocator. Iterators and other non-variable state are not restored.
+
+    The budget is compared with the allocator's whole peak during the step
+    (:func:`memsaving.measure_peak`): weights, optimizer slots, inputs and
+    anything else alive on the device count, as they do when the device runs
+    out of memory.
+
+    Args:
+      step_fn: the training step, a Python function (a ``tf.function`` is
+        unwrapped). It must call ``memsaving.gradients(..., budget=...)``,
+        normally with this same budget; the margin applies to every
+        budgeted call in it.
+      *args, **kwargs: the arguments of one step (a representative batch).
+        The names ``budget``, ``max_rounds``, ``device``,
+        ``restore_variables`` and ``verbose`` are this function's own.
+      budget: bytes, or a string such as ``"512MiB"``.
+      max_rounds: how many plans to measure at most (each costs a trace and
+        three steps).
+      device: where to measure (default: the first GPU, else the CPU).
+      restore_variables: undo the calibration's training steps (see above).
+      verbose: print one line per round.
+
+    Returns:
+      The traced ``tf.function``, ready for the training loop. Retraces (new
+      input shapes) plan with the same margin. ``.calibration`` holds a
+      :class:`Calibration` (rounds, margin, plans); each plan's
+      ``measured_peak`` is set, so ``plan.explain()`` shows both peaks.
+
+    Raises:
+      TypeError: ``step_fn`` is not callable.
+      ValueError: a bad budget or ``max_rounds``, or a step that makes no
+        ``memsaving.gradients(..., budget=...)`` call.
+      memsaving.BudgetError: the measured peak is still above ``budget``
+        after ``max_rounds`` rounds, or the planner finds nothing for the
+        lowered budget; the message lists every round, and
+        ``.smallest_budget`` is the lowest peak measured (a budget that did
+        fit, with that round's plan), None if nothing was measured;
+        ``.calibration`` holds the rounds.
+    """
+    target = _check_arguments(step_fn, budget, max_rounds)
+    python_fn = getattr(step_fn, "python_function", step_fn)  # a tf.function would not retrace
+    report = Calibration(budget=target)
+    snapshot: Optional[List[tuple]] = None
+    try:
+        for round_number in range(1, max_rounds + 1):
+            step, plans, concrete = _trace(python_fn, args, kwargs, target, report)
+            _check_plans(plans, round_number)
+            if restore_variables and snapshot is None:
+                snapshot = [(v, np.array(v.numpy(), copy=True)) for v in concrete.variables]
+            step(*args, **kwargs)  # warm-up: the first run of a graph allocates once-only buffers
+            measured = max(measure_peak(step, *args, device=device, **kwargs) for _ in range(MEASURED_STEPS))
+            planned_for = planning_budget_for(target, report.margin)
+            current = CalibrationRound(planned_for, max(p.predicted_peak for p in plans), measured)
+            report.rounds.append(current)
+            for plan in plans:
+                plan.measured_peak = measured
+            _say(verbose, f"memsaving.fit_to_budget: round {round_number}: {current.describe(target)}")
+            if measured <= target:
+                report.plans = plans
+                step.calibration = report
+                return step
+            report.margin = next_margin(report.margin, measured, target, current.predicted_peak)
+        raise calibration_error(
+            "memsaving.fit_to_budget", target, report.rounds,
+            f"the step's measured peak stays above the budget of {format_bytes(target)} after "
+            f"{max_rounds} round(s) (max_rounds={max_rounds}):", report)
+    finally:
+        if snapshot is not None:
+            for variable, value in snapshot:
+                variable.assign(value)
+
+
+def planning_budget_for(budget: int, margin: int) -> int:
+    """``budget - margin`` as :func:`planning_budget` computes it (at least one byte)."""
+    return max(1, budget - margin) if margin else budget
+
+
+def _check_arguments(step_fn, budget, max_rounds) -> int:
+    if not callable(step_fn):
+        raise TypeError(
+            f"memsaving.fit_to_budget: step_fn must be the training step, a Python function that calls "
+            f"memsaving.gradients(..., budget=...); got {type(step_fn).__name__}: {step_fn!r:.80}")
+    if budget is None:
+        raise ValueError("memsaving.fit_to_budget needs budget= (bytes, or a string such as '512MiB'): the "
+                         "peak memory the step must fit, as measured")
+    if isinstance(max_rounds, bool) or not isinstance(max_rounds, (int, np.integer)) or max_rounds < 1:
+        raise ValueError(f"max_rounds={max_rounds!r}: give a positive int, how many plans to measure at most")
+    return parse_bytes(budget)
+
+
+def _traced(python_fn: Callable, margin: int):
+    """A new ``tf.function`` of ``python_fn`` that plans with ``margin`` whenever it is traced.
+
+    The margin is entered inside the traced function, so a retrace for new
+    input shapes after calibration plans with it too.  Returns the function
+    and the list its traces' plans are appended to.
+    """
+    plans: List[Plan] = []
+
+    @functools.wraps(python_fn)
+    def with_margin(*args, **kwargs):
+        with budget_margin(margin) as record:
+            try:
+                return python_fn(*args, **kwargs)
+            finally:
+                plans.extend(record.plans)
+
+    return tf.function(with_margin), plans
+
+
+def _trace(python_fn, args, kwargs, target: int, report: Calibration):
+    """Trace the step for this round's margin (no run).
+
+    When the margin asks the planner for less than its smallest feasible
+    budget, the step is planned at that floor instead, if the floor is below
+    the predicted peak of the last round's plan (a lower plan is still worth
+    measuring); otherwise the planner's failure becomes a BudgetError listing
+    the rounds measured.  Returns ``(step, plans, concrete function)``.
+    """
+    while True:
+        step, plans = _traced(python_fn, report.margin)
+        try:
+            return step, plans, step.get_concrete_function(*args, **kwargs)
+        except BudgetError as error:
+            planned_for = planning_budget_for(target, report.margin)
+            floor = error.smallest_budget
+            if (report.rounds and floor is not None and floor < report.rounds[-1].predicted_peak
+                    and report.margin != target - floor):  # a plan lower than the last, not tried yet
+                report.margin = target - floor
+                continue
+            if not report.rounds:
+                reason = (f"no plan fits the budget of {format_bytes(target)} even as predicted "
+                          f"({planner_said(error)}), so nothing was measured; measured peaks run above "
+                          "predictions.")
+            else:
+                reason = (f"to leave room for the measured excess the planner must plan for "
+                          f"{format_bytes(planned_for)}, and finds no plan that small below the last one "
+                          f"measured ({planner_said(error)}). Measured so far:")
+            raise calibration_error("memsaving.fit_to_budget", target, report.rounds, reason, report) from error
+
+
+def _check_plans(plans: List[Plan], round_number: int) -> None:
+    if any(plan.budget is not None for plan in plans):
+        return
+    if not plans and round_number > 1:
+        raise ValueError(
+            "memsaving.fit_to_budget: the step's memsaving.gradients call was not traced again in round "
+            f"{round_number}, so it cannot be replanned: it is probably inside a tf.function of its own. "
+            "Pass the plain Python function (no @tf.function inside the step around memsaving.gradients).")
+    made = f"made {len(plans)} memsaving.gradients call(s), none with budget=" if plans else \
+        "made no memsaving.gradients call"
+    raise ValueError(
+        f"memsaving.fit_to_budget: the step {made}. The step must call memsaving.gradients(..., budget=...) "
+        "(with the budget passed here) so that it can be replanned for the measured peak.")
+
+
+def planner_said(error: Exception) -> str:
+    """The planner's BudgetError message without AutoGraph's traceback and without
+    its ``(N bytes)`` figure (a predicted budget, which must not be read as
+    the measured ``smallest_budget`` of the calibration's error)."""
+    text = str(error).split("BudgetError: ")[-1].strip()
+    return re.sub(r"\s*\(\d+ bytes\)", "", text).rstrip(".")
+
+
+def _say(verbose: bool, line: str) -> None:
+    logger.info(line)
+    if verbose:
+        print(line)
