@@ -192,9 +192,13 @@ class BackwardBuilder:
 
     def _wait_for(self, out_grads) -> list:
         """Ops a unit's first copies wait on: its output gradients and the
-        previous unit's results (except fusable bias gradients)."""
+        previous unit's results, bias gradients included (except those
+        Grappler may fuse into the next unit, see _fusable_bias_gradient)."""
+        handed_on = object_identity.ObjectIdentitySet(
+            g for g in self.previous_results if not isinstance(g, tf.IndexedSlices))
         wait_for = []
-        for g in list(out_grads) + [g for g in self.previous_results if not _fusable_bias_gradient(g)]:
+        for g in list(out_grads) + [g for g in self.previous_results
+                                    if not _fusable_bias_gradient(g, handed_on)]:
             wait_for.extend(producing_ops(g))
         return list({id(o): o for o in wait_for}.values())
 
@@ -347,22 +351,30 @@ def _seed(y: tf.Tensor) -> tf.Tensor:
         return default_gradient.ones_like(y)
 
 
-def _fusable_bias_gradient(gradient) -> bool:
-    """True for a bias gradient (BiasAddGrad, possibly reshaped).
+def _fusable_bias_gradient(gradient, handed_on) -> bool:
+    """True for a bias gradient (BiasAddGrad, possibly reshaped or cast) that
+    Grappler may fuse into the next unit: its incoming gradient is itself
+    among ``handed_on`` (the previous unit's results), i.e. the BiasAdd read
+    a kept tensor, made by an op of the segment built next.
 
     oneDNN/Grappler fuse BiasAddGrad with the Conv2DBackpropFilter that reads
     the same incoming gradient.  When a checkpoint sits between a convolution
     and its BiasAdd, those two ops belong to consecutive segments; a copy of
     the later segment waiting on the fused op would wait on itself (a cycle,
-    seen on VGG16).  Such small gradients are therefore not waited on, also
-    when they reach their variable through a Cast (mixed precision).
+    seen on VGG16).  Such bias gradients are therefore not waited on.
+
+    Every other bias gradient is: nothing else makes the step run it before
+    the end, and TensorFlow's executor may defer it there, holding the
+    incoming gradient (an activation-sized buffer) of every biased layer to
+    the end of the step, which cancels the saving on biased layers (Keras
+    Dense, EinsumDense) when the executor runs one op at a time.
     """
     if gradient is None or isinstance(gradient, tf.IndexedSlices):
         return False
     op = gradient.op
     while op.type in ("Reshape", "Identity", "Cast") and op.inputs:
         op = op.inputs[0].op
-    return op.type == "BiasAddGrad"
+    return op.type == "BiasAddGrad" and op.inputs[0] in handed_on
 
 
 def copy_op(op: tf.Operation, inputs: list, control_inputs: list, prefix: str) -> tf.Operation:

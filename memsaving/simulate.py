@@ -14,7 +14,7 @@ kernels of their own (:func:`consumed_at_once`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from memsaving.graph import GraphModel, OpInfo, gradient_sinks
@@ -305,7 +305,50 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List
         unit_ends.append(len(actions) - 1)
     if not units or units[0].kind != "output":
         unit_ends.insert(0, len(model.ops))  # the seed: the forward pass ends there
-    return actions, unit_ends
+    return _pin_view_bases(model, actions), unit_ends
+
+
+def _view_bases(model: GraphModel) -> Dict[int, int]:
+    """Each view (an output of an aliasing op: Reshape, ExpandDims, Squeeze,
+    Identity..., 0 bytes of its own) -> the tensor whose buffer it shares."""
+    base: Dict[int, int] = {}
+    for op in model.ops:
+        if not op.inputs:
+            continue
+        source = op.inputs[0]
+        if model.tensors[source].producer < 0:
+            continue  # a variable read or a view of an input: resident anyway
+        for t in op.outputs:
+            info = model.tensors[t]
+            if info.nbytes == 0 and info.value_bytes is not None:
+                base[t] = base.get(source, source)
+    return base
+
+
+def _pin_view_bases(model: GraphModel, actions: List[Action]) -> List[Action]:
+    """Make every read of a view also read the buffer it shares.
+
+    A view has no bytes of its own, but TensorFlow frees a buffer only when
+    its last view is gone: a kept view (a checkpoint on a Reshape, as Keras
+    puts around a Dense on 3-D inputs, Conv1D's ExpandDims/Squeeze, attention
+    heads) keeps the activation it views alive until its segment.  Counted
+    free, such views would look like the cheapest checkpoints of all."""
+    base = _view_bases(model)
+    if not base:
+        return actions
+    written = {key for action in actions for key, _ in action.writes}
+    pinned = []
+    for action in actions:
+        extra = []
+        for key in action.reads:
+            if key[0] not in ("f", "c", "a") or key[-1] not in base:
+                continue
+            same_copy = key[:-1] + (base[key[-1]],)  # the base recomputed with the view
+            target = same_copy if same_copy in written else ("f", base[key[-1]])
+            if target in written and target not in action.reads and target not in extra:
+                extra.append(target)
+        pinned.append(replace(action, reads=list(action.reads) + extra) if extra else action)
+    return pinned
 
 
 def consumed_at_once(key: Key, action: Action, i: int, last_read: Dict[Key, int], pinned: Set[Key]) -> bool:
