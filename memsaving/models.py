@@ -39,18 +39,24 @@ def unet(size: int = 64) -> keras.Model:
     return keras.Model(inputs, keras.layers.Conv2D(1, 1)(h), name="unet")
 
 
+def pre_norm_block(h, heads: int, dim: int):
+    """One pre-norm transformer block: attention, then a 4x-wide GELU MLP,
+    each added back to its input."""
+    a = keras.layers.LayerNormalization()(h)
+    a = keras.layers.MultiHeadAttention(heads, dim // heads)(a, a)
+    h = keras.layers.Add()([h, a])
+    f = keras.layers.LayerNormalization()(h)
+    f = keras.layers.Dense(4 * dim, activation="gelu")(f)
+    f = keras.layers.Dense(dim)(f)
+    return keras.layers.Add()([h, f])
+
+
 def transformer(size: int = 64, layers: int = 4, dim: int = 128, heads: int = 4, vocab: int = 1000) -> keras.Model:
     """A small transformer encoder over ``size`` tokens (pre-norm blocks)."""
     tokens = keras.Input((size,), dtype="int32")
     h = keras.layers.Embedding(vocab, dim)(tokens)
     for _ in range(layers):
-        a = keras.layers.LayerNormalization()(h)
-        a = keras.layers.MultiHeadAttention(heads, dim // heads)(a, a)
-        h = keras.layers.Add()([h, a])
-        f = keras.layers.LayerNormalization()(h)
-        f = keras.layers.Dense(4 * dim, activation="gelu")(f)
-        f = keras.layers.Dense(dim)(f)
-        h = keras.layers.Add()([h, f])
+        h = pre_norm_block(h, heads, dim)
     h = keras.layers.GlobalAveragePooling1D()(h)
     return keras.Model(tokens, keras.layers.Dense(vocab)(h), name="transformer")
 
@@ -103,13 +109,7 @@ def attention_encoder(size: int = 128, blocks: int = 3, dim: int = 128, heads: i
     inputs = keras.Input((size, dim))
     h = inputs
     for _ in range(blocks):
-        a = keras.layers.LayerNormalization()(h)
-        a = keras.layers.MultiHeadAttention(heads, dim // heads)(a, a)
-        h = keras.layers.Add()([h, a])
-        f = keras.layers.LayerNormalization()(h)
-        f = keras.layers.Dense(4 * dim, activation="gelu")(f)
-        f = keras.layers.Dense(dim)(f)
-        h = keras.layers.Add()([h, f])
+        h = pre_norm_block(h, heads, dim)
     return keras.Model(inputs, keras.layers.LayerNormalization()(h), name="attention_encoder")
 
 
