@@ -21,7 +21,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="how checkpoints are chosen (default memory: about sqrt(n) separators)")
     plan = commands.add_parser("plan", help="print the plan memsaving would run for a Keras model's training step")
     plan.add_argument("model", help="a saved Keras model (.keras/.h5) or a built-in name: "
-                                    "mlp, resnet50, vgg16, mobilenet, unet, transformer")
+                                    "mlp, resnet50, resnet50v2, efficientnetb0, vgg16, mobilenet, unet, "
+                                    "transformer, residual_convnet, two_tower, attention_encoder, recurrent")
     plan.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
     plan.add_argument("--size", type=int, default=None,
                       help="every unknown non-batch input dimension of a saved model (sequence length, image "
