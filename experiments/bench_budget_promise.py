@@ -37,13 +37,28 @@ largest of those peaks (min and max are in the CSV), and the budget
 fractions are of the largest measured plain peak.  A plan "fits" when
 measured <= budget.  Errors are (predicted - measured) / measured.
 
+With ``--calibrate`` (on by default; ``--no-calibrate`` turns it off) every
+feasible budget case is ALSO built through ``memsaving.fit_to_budget(body,
+x, budget=b, restore_variables=True)``, where ``body`` is the same step
+written as a plain Python function calling ``memsaving.gradients(loss,
+weights, budget=b, batch_size=B)``; the returned function is then measured
+exactly like the other steps (one warm-up run, ``--repeat`` runs under
+``measure_peak``, the largest counts), and the "cal" columns give the rounds
+fit_to_budget used, its own last measured peak, the re-measured peak over
+the budget and whether it fits.  When fit_to_budget raises ``BudgetError``
+its ``smallest_budget`` (the lowest peak it measured) is recorded and
+fit_to_budget is run again at that budget (once per distinct value), the
+result measured against it.  The uncalibrated columns are unchanged: they
+document what the planner alone promises.
+
 Nothing is tuned: the benchmark documents what the planner promises and what
 the allocator sees.  Results go to ``experiments/results/budget_promise.md``
 and ``.csv`` (``--out DIR`` elsewhere; ``--quick`` writes the same names).
 
-    python -m experiments.bench_budget_promise                       # all models, about 10-15 minutes on 2 cores
+    python -m experiments.bench_budget_promise                       # all models, calibrated: ~25 min on 2 cores
     python -m experiments.bench_budget_promise --quick --out /tmp/bp  # smaller models, 3 fractions: a smoke run
     python -m experiments.bench_budget_promise --models mlp24,unet --fractions 0.5,0.7 --repeat 5
+    python -m experiments.bench_budget_promise --no-calibrate        # the planner's promise alone: 10-15 minutes
 
 Models: mlp24, resconv, two_tower, unet, attention, lstm_gru, resnet50v2,
 efficientnetb0, gpt2, bert.  gpt2 and bert are keras_hub backbones built
@@ -224,6 +239,17 @@ def make_step(model: keras.Model, batch: int, mode: str, budget: Optional[int] =
     return step, captured
 
 
+def step_body(model: keras.Model, batch: int, budget: int) -> Callable:
+    """The budgeted step as a plain Python function, for ``memsaving.fit_to_budget`` (which traces it)."""
+
+    def body(inputs):
+        loss = scalar_loss(model(inputs, training=True))
+        grads = memsaving.gradients(loss, model.trainable_variables, budget=budget, batch_size=batch)
+        return reduce_gradients(grads)
+
+    return body
+
+
 @dataclass
 class Measured:
     peaks: List[int]
@@ -247,6 +273,30 @@ def measure(model, case: Case, mode: str, repeat: int, budget: Optional[int] = N
     return Measured(peaks, before, captured["plan"], seconds)
 
 
+@dataclass
+class Calibrated:
+    rounds: int  # rounds fit_to_budget measured
+    own_peak: int  # fit_to_budget's own measured peak of its last round
+    peaks: List[int]  # re-measured here, as the other steps: max of ``repeat`` after a warm-up
+    seconds: float  # fit_to_budget (all its rounds)
+
+    @property
+    def peak(self) -> int:
+        return max(self.peaks)
+
+
+def measure_calibrated(model, case: Case, repeat: int, budget: int) -> Calibrated:
+    """``memsaving.fit_to_budget`` on the budgeted step body (raises its BudgetError), then the returned
+    function measured like every other step: one warm-up run, ``repeat`` peaks."""
+    start = time.perf_counter()
+    step = memsaving.fit_to_budget(step_body(model, case.batch, budget), case.inputs, budget=budget,
+                                   restore_variables=True)
+    seconds = time.perf_counter() - start
+    step(case.inputs).numpy()  # warm-up, as for the other steps
+    peaks = [memsaving.measure_peak(step, case.inputs) for _ in range(repeat)]
+    return Calibrated(len(step.calibration.rounds), step.calibration.measured_peak, peaks, seconds)
+
+
 # -------------------------------------------------------------------------------------------- sweeping
 
 
@@ -257,6 +307,25 @@ COLUMNS = ("model", "case", "fraction", "budget MiB", "status", "measured MiB", 
 with (the smallest feasible one for infeasible fractions); ``error``:
 (predicted - measured) / measured; ``smallest/plain``: smallest_budget over
 the measured plain peak."""
+
+CAL_COLUMNS = ("cal status", "cal rounds", "cal own MiB", "cal measured MiB", "cal measured min MiB",
+               "cal measured/budget", "cal smallest_budget MiB", "cal smallest/plain", "cal at smallest",
+               "cal rounds at smallest")
+"""With ``--calibrate``, for feasible budget rows: ``memsaving.fit_to_budget``
+at the row's budget.  ``cal status``: fits / OVER (the re-measured peak
+against the budget), BudgetError (fit_to_budget raised) or error;
+``cal rounds``: rounds fit_to_budget measured (the rounds in its error for
+BudgetError); ``cal own MiB``: fit_to_budget's own measured peak in its
+last round; ``cal measured MiB`` / ``min``: the returned step re-measured
+(max / min of the repeats after a warm-up), and ``cal measured/budget``
+that max over the budget.  After a BudgetError, ``cal smallest_budget MiB``
+is the error's smallest_budget (over the measured plain peak in ``cal
+smallest/plain``), and the measured columns, ``cal at smallest`` (fits /
+OVER / BudgetError / error) and ``cal rounds at smallest`` are those of
+fit_to_budget run again at budget=smallest_budget: ``cal measured/budget``
+is then measured / smallest_budget."""
+CAL_MIB = (15, 16, 17, 19)  # row indices of the MiB columns among COLUMNS + CAL_COLUMNS
+NO_CAL = [None] * len(CAL_COLUMNS)
 
 
 @dataclass
@@ -269,6 +338,8 @@ class ModelResult:
     in_use_before: int = 0
     seconds: float = 0.0
     failures: List[str] = field(default_factory=list)
+    calibrated: bool = False
+    cal_seconds: float = 0.0  # fit_to_budget calls and their measurement
 
 
 def _ratio(a, b) -> Optional[float]:
@@ -304,11 +375,59 @@ def source_state() -> str:
     return f"memsaving at commit {head}" + (f", uncommitted changes in {', '.join(changed)}" if changed else "")
 
 
-def sweep(name: str, quick: bool, fractions, repeat: int) -> ModelResult:
+def calibrate_case(model, case: Case, repeat: int, budget: int, plain_peak: int, result: ModelResult,
+                   label: str, at_smallest: Dict[int, tuple]) -> list:
+    """The ``CAL_COLUMNS`` of one feasible budget case: fit_to_budget at ``budget`` re-measured, or its
+    BudgetError and fit_to_budget again at the error's smallest_budget (cached in ``at_smallest``)."""
+    start = time.perf_counter()
+    try:
+        progress(result.name, f"  calibrated: fit_to_budget at {budget / MIB:.1f} MiB")
+        try:
+            c = measure_calibrated(model, case, repeat, budget)
+        except memsaving.BudgetError as error:
+            calibration = getattr(error, "calibration", None)
+            rounds = len(calibration.rounds) if calibration is not None else None
+            smallest = error.smallest_budget
+            if smallest is None:
+                result.failures.append(f"{label} calibrated: BudgetError without smallest_budget: {_short(error)}")
+                return ["BudgetError", rounds] + [None] * (len(CAL_COLUMNS) - 2)
+            if smallest not in at_smallest:
+                progress(result.name, f"  calibrated: BudgetError after {rounds} round(s); fit_to_budget at "
+                                      f"smallest_budget = {smallest / MIB:.2f} MiB")
+                try:
+                    s = measure_calibrated(model, case, repeat, smallest)
+                    at_smallest[smallest] = (s, _status(s.peak, smallest), s.rounds)
+                except memsaving.BudgetError as again:
+                    again_cal = getattr(again, "calibration", None)
+                    result.failures.append(f"{label} calibrated: fit_to_budget at smallest_budget {smallest} "
+                                           f"raised again: {_short(again)}")
+                    at_smallest[smallest] = (None, "BudgetError",
+                                             len(again_cal.rounds) if again_cal is not None else None)
+                except Exception as again:  # pylint: disable=broad-except  # recorded, the sweep goes on
+                    result.failures.append(f"{label} calibrated: fit_to_budget at smallest_budget {smallest}: "
+                                           f"{_short(again)}")
+                    at_smallest[smallest] = (None, "error", None)
+            else:
+                progress(result.name, f"  calibrated: BudgetError after {rounds} round(s); smallest_budget "
+                                      f"{smallest / MIB:.2f} MiB measured already")
+            s, status, s_rounds = at_smallest[smallest]
+            return ["BudgetError", rounds, _mib(s.own_peak) if s else None, _mib(s.peak) if s else None,
+                    _mib(min(s.peaks)) if s else None, _ratio(s.peak, smallest) if s else None, _mib(smallest),
+                    smallest / plain_peak, status, s_rounds]
+        except Exception as error:  # pylint: disable=broad-except
+            result.failures.append(f"{label} calibrated: {_short(error)}")
+            return ["error"] + [None] * (len(CAL_COLUMNS) - 1)
+        return [_status(c.peak, budget), c.rounds, _mib(c.own_peak), _mib(c.peak), _mib(min(c.peaks)),
+                c.peak / budget, None, None, None, None]
+    finally:
+        result.cal_seconds += time.perf_counter() - start
+
+
+def sweep(name: str, quick: bool, fractions, repeat: int, calibrate: bool = False) -> ModelResult:
     keras.utils.set_random_seed(0)
     case = MODELS[name](quick)
     model = case.model
-    result = ModelResult(name, case.description, case.batch)
+    result = ModelResult(name, case.description, case.batch, calibrated=calibrate)
     start = time.perf_counter()
 
     progress(name, f"plain ({case.description})")
@@ -317,19 +436,22 @@ def sweep(name: str, quick: bool, fractions, repeat: int) -> ModelResult:
     result.in_use_before = plain.in_use_before
     plain_peak = plain.peak
     result.rows.append([name, "plain", None, None, "-", _mib(plain.peak), _mib(min(plain.peaks)),
-                        _mib(plain.plan.plain_peak), None, None, plain.plan.plain_peak / plain.peak - 1, None, None])
+                        _mib(plain.plan.plain_peak), None, None, plain.plan.plain_peak / plain.peak - 1, None, None]
+                       + NO_CAL)
 
     progress(name, "checkpoints='memory'")
     try:
         mem = measure(model, case, "memory", repeat)
         result.rows.append([name, "memory", None, None, "-", _mib(mem.peak), _mib(min(mem.peaks)),
                             _mib(mem.plan.predicted_peak), None, None, mem.plan.predicted_peak / mem.peak - 1,
-                            None, None])
+                            None, None] + NO_CAL)
     except Exception as error:  # pylint: disable=broad-except  # recorded, the sweep goes on
         result.failures.append(f"memory: {_short(error)}")
-        result.rows.append([name, "memory", None, None, "error", None, None, None, None, None, None, None, None])
+        result.rows.append([name, "memory", None, None, "error", None, None, None, None, None, None, None, None]
+                           + NO_CAL)
 
     at_smallest: Dict[int, Measured] = {}
+    cal_at_smallest: Dict[int, tuple] = {}
     for fraction in fractions:
         budget = int(fraction * plain_peak)
         progress(name, f"budget {fraction:.2f} x measured plain = {budget / MIB:.1f} MiB")
@@ -340,7 +462,7 @@ def sweep(name: str, quick: bool, fractions, repeat: int) -> ModelResult:
             if smallest is None:
                 result.failures.append(f"budget {fraction:.2f}: BudgetError without smallest_budget")
                 result.rows.append([name, "budget", fraction, _mib(budget), "infeasible", None, None, None, None,
-                                    None, None, None, None])
+                                    None, None, None, None] + NO_CAL)
                 continue
             if smallest not in at_smallest:
                 progress(name, f"  infeasible; measuring budget=smallest_budget = {smallest / MIB:.1f} MiB")
@@ -357,18 +479,20 @@ def sweep(name: str, quick: bool, fractions, repeat: int) -> ModelResult:
                 _mib(min(s.peaks)) if s else None, _mib(s.plan.predicted_peak) if s else None,
                 _ratio(s.peak, smallest) if s else None, _ratio(s.plan.predicted_peak, smallest) if s else None,
                 s.plan.predicted_peak / s.peak - 1 if s else None, _mib(smallest), smallest / plain_peak,
-            ])
+            ] + NO_CAL)
             continue
         except Exception as error:  # pylint: disable=broad-except
             result.failures.append(f"budget {fraction:.2f}: {_short(error)}")
             result.rows.append([name, "budget", fraction, _mib(budget), "error", None, None, None, None, None,
-                                None, None, None])
+                                None, None, None] + NO_CAL)
             continue
+        cal = (calibrate_case(model, case, repeat, budget, plain_peak, result, f"budget {fraction:.2f}",
+                              cal_at_smallest) if calibrate else NO_CAL)
         result.rows.append([
             name, "budget", fraction, _mib(budget), _status(m.peak, budget), _mib(m.peak), _mib(min(m.peaks)),
             _mib(m.plan.predicted_peak), m.peak / budget, m.plan.predicted_peak / budget,
             m.plan.predicted_peak / m.peak - 1, None, None,
-        ])
+        ] + cal)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -387,15 +511,24 @@ def _f(value, fmt: str) -> str:
 def print_model(r: ModelResult) -> None:
     print(f"\n{r.name}: {r.description}")
     print(f"in use before the step {r.in_use_before / MIB:.2f} MiB; plan resident_bytes (weights + inputs) "
-          f"{r.resident / MIB:.2f} MiB; sweep {r.seconds:.0f} s")
+          f"{r.resident / MIB:.2f} MiB; sweep {r.seconds:.0f} s"
+          + (f" (of which fit_to_budget and its measurement {r.cal_seconds:.0f} s)" if r.calibrated else ""))
+    cal_header = (f" | {'cal':>11} {'rounds':>6} {'own':>6} {'measured':>8} {'meas/bud':>8} {'smallest':>8} "
+                  f"{'at smallest':>11}") if r.calibrated else ""
     print(f"{'case':>14} {'budget MiB':>10} {'status':>10} {'measured':>9} {'(min)':>8} {'predicted':>9} "
-          f"{'meas/bud':>8} {'pred/bud':>8} {'error':>7} {'smallest/plain':>14}")
+          f"{'meas/bud':>8} {'pred/bud':>8} {'error':>7} {'smallest/plain':>14}" + cal_header)
     for row in r.rows:
-        _, kind, fraction, budget, status, measured, low, predicted, mb, pb, err, _, sp = row
+        _, kind, fraction, budget, status, measured, low, predicted, mb, pb, err, _, sp = row[:len(COLUMNS)]
         label = kind if fraction is None else f"{kind} {fraction:.2f}"
-        print(f"{label:>14} {_f(budget, '.1f'):>10} {status:>10} {_f(measured, '.1f'):>9} {_f(low, '.1f'):>8} "
-              f"{_f(predicted, '.1f'):>9} {_f(mb, '.3f'):>8} {_f(pb, '.3f'):>8} {_f(err, '+.1%'):>7} "
-              f"{_f(sp, '.3f'):>14}")
+        line = (f"{label:>14} {_f(budget, '.1f'):>10} {status:>10} {_f(measured, '.1f'):>9} {_f(low, '.1f'):>8} "
+                f"{_f(predicted, '.1f'):>9} {_f(mb, '.3f'):>8} {_f(pb, '.3f'):>8} {_f(err, '+.1%'):>7} "
+                f"{_f(sp, '.3f'):>14}")
+        if r.calibrated and row[13] is not None:
+            cs, cr, own, cm, _, cmb, csm, _, at, atr = row[len(COLUMNS):]
+            at_text = "-" if at is None else f"{at} ({_f(atr, 'd')})"
+            line += (f" | {cs:>11} {_f(cr, 'd'):>6} {_f(own, '.1f'):>6} {_f(cm, '.1f'):>8} {_f(cmb, '.3f'):>8} "
+                     f"{_f(csm, '.2f'):>8} {at_text:>11}")
+        print(line)
     for failure in r.failures:
         print(f"  failed: {failure}")
     sys.stdout.flush()
@@ -403,10 +536,14 @@ def print_model(r: ModelResult) -> None:
 
 def summarize(results: List[ModelResult], skipped: List[str]) -> Tuple[List[str], List[str]]:
     """Per-model summary table and overall lines (markdown)."""
+    calibrated = any(r.calibrated for r in results)
     table = ["| model | plain: measured / predicted MiB (error) | memory: measured / predicted MiB (error) | "
              "feasible budgets | fit | max measured/budget | smallest_budget / measured plain | "
-             "measured / smallest_budget | sweep s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "measured / smallest_budget | "
+             + ("calibrated: fit / feasible (BudgetError) | calibrated: rounds | calibrated: max measured/budget | "
+                "calibrated: smallest_budget / measured plain | calibrated: measured / smallest_budget | "
+                if calibrated else "") + "sweep s |",
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" * 5 if calibrated else "")]
     feasible, fits = [], []
     infeasible, smallest_rows = [], []
     plain_errors, memory_errors = [], []
@@ -431,7 +568,8 @@ def summarize(results: List[ModelResult], skipped: List[str]) -> Tuple[List[str]
             f"| {r.name} | {p[5]:.1f} / {p[7]:.1f} ({p[10]:+.1%}) | "
             + (f"{m[5]:.1f} / {m[7]:.1f} ({m[10]:+.1%})" if m[10] is not None else "error")
             + f" | {len(ok)}/{len(budget_rows)} | {sum(row[4] == 'fits' for row in ok)}/{len(ok)} | "
-            f"{_f(worst, '.3f')} | {', '.join(f'{v:.3f}' for v in sp) or '-'} | {_f(ms, '.3f')} | {r.seconds:.0f} |")
+            f"{_f(worst, '.3f')} | {', '.join(f'{v:.3f}' for v in sp) or '-'} | {_f(ms, '.3f')} | "
+            + (_calibrated_cells(ok) if calibrated else "") + f"{r.seconds:.0f} |")
     lines = []
     n = len(feasible)
     lines.append(f"- feasible budget cases: {n} of "
@@ -457,6 +595,8 @@ def summarize(results: List[ModelResult], skipped: List[str]) -> Tuple[List[str]
         if unbuilt:
             lines.append(f"- budget=smallest_budget could not be built (raised again) for {unbuilt} of them: see "
                          "Failures")
+    if calibrated:
+        lines += _calibrated_lines(feasible, results)
     for label, errors in (("plain", plain_errors), ("memory", memory_errors)):
         if errors:
             within = [name for name, e in errors if abs(e) <= 0.10]
@@ -468,21 +608,92 @@ def summarize(results: List[ModelResult], skipped: List[str]) -> Tuple[List[str]
     return table, lines
 
 
+def _calibrated_cells(ok: List[list]) -> str:
+    """The calibrated cells of one model's summary row (``ok``: its feasible budget rows)."""
+    returned = [row for row in ok if row[13] in ("fits", "OVER")]
+    raised = [row for row in ok if row[13] == "BudgetError"]
+    rounds = [row[14] for row in ok if row[14] is not None]
+    worst = max((row[18] for row in returned), default=None)
+    smallest = {row[19]: row for row in raised if row[19] is not None}
+    at = [row[18] for row in smallest.values() if row[18] is not None]
+    return (f"{sum(row[13] == 'fits' for row in ok)}/{len(ok)} ({len(raised)}) | "
+            f"{', '.join(str(n) for n in rounds) or '-'} | {_f(worst, '.3f')} | "
+            f"{', '.join(f'{row[20]:.3f}' for row in sorted(smallest.values(), key=lambda x: x[19])) or '-'} | "
+            f"{_f(max(at, default=None), '.3f')} | ")
+
+
+def _calibrated_lines(feasible: List[tuple], results: List[ModelResult]) -> List[str]:
+    """Overall lines for the calibrated columns (``feasible``: (model, row) of every feasible budget case)."""
+    n = len(feasible)
+    returned = [(name, row) for name, row in feasible if row[13] in ("fits", "OVER")]
+    raised = [(name, row) for name, row in feasible if row[13] == "BudgetError"]
+    failed = n - len(returned) - len(raised)
+    fits = [row for _, row in returned if row[13] == "fits"]
+    rounds: Dict[int, int] = {}
+    for _, row in returned:
+        rounds[row[14]] = rounds.get(row[14], 0) + 1
+    seconds = sum(r.cal_seconds for r in results)
+    lines = [f"- calibrated feasible cases (memsaving.fit_to_budget, max_rounds=4): {n}; returned a step in "
+             f"{len(returned)} (rounds used: "
+             + (", ".join(f"{k} round{'s' if k != 1 else ''} x{v}" for k, v in sorted(rounds.items())) or "-")
+             + f"), BudgetError in {len(raised)}" + (f", other errors in {failed} (see Failures)" if failed else "")
+             + f"; {seconds:.0f} s in fit_to_budget and its measurement"]
+    if n:
+        lines.append(f"- calibrated measured <= budget: {len(fits)} of {n} feasible cases ({len(fits) / n:.0%}); "
+                     + (f"{len(fits)} of the {len(returned)} steps fit_to_budget returned "
+                        f"({len(fits) / len(returned):.0%})" if returned else "no step returned"))
+    if returned:
+        worst_name, worst_row = max(returned, key=lambda item: item[1][18])
+        own = max(row[15] / row[3] for _, row in returned)
+        lines.append(f"- calibrated max measured/budget: {worst_row[18]:.3f} ({worst_name} at {worst_row[2]:.2f}); "
+                     f"fit_to_budget's own last-round peak / budget at most {own:.3f}")
+    if raised:
+        distinct = {(name, row[19]): row for name, row in raised if row[19] is not None}
+        measured = {key: row for key, row in distinct.items() if row[18] is not None}
+        ratios = [row[20] for row in distinct.values()]
+        lines.append(f"- calibrated BudgetError: {len(raised)} cases, {len(distinct)} distinct smallest_budget values"
+                     + (f" (smallest_budget / measured plain peak {min(ratios):.3f} to {max(ratios):.3f})"
+                        if ratios else ""))
+        within = sum(row[18] <= 1.05 for row in measured.values())
+        under = sum(row[18] <= 1 for row in measured.values())
+        line = (f"- smallest_budget from calibration measured <= 1.05 x itself: "
+                f"{'yes' if distinct and within == len(distinct) else 'no'}, {within} of {len(distinct)} "
+                f"(fit_to_budget at smallest_budget returned a step for {len(measured)}, measured <= "
+                f"smallest_budget in {under}")
+        if measured:
+            worst = max(measured.items(), key=lambda item: item[1][18])
+            line += (f"; max measured/smallest_budget {worst[1][18]:.3f} ({worst[0][0]}); fit_to_budget there: "
+                     + ", ".join(f"{key[0]} {row[21]} ({row[22]} rounds)" for key, row in measured.items()))
+        lines.append(line + ")")
+        unmeasured = len(distinct) - len(measured)
+        if unmeasured:
+            lines.append(f"- fit_to_budget at smallest_budget raised again (or failed) for {unmeasured} of them: "
+                         "see Failures")
+    return lines
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
 def write(results: List[ModelResult], summary_table: List[str], summary_lines: List[str], out: str,
           command: str) -> List[str]:
+    calibrated = any(r.calibrated for r in results)
+    columns = COLUMNS + (CAL_COLUMNS if calibrated else ())
     table = Table(NAME, "Budget promise: measured peaks of Keras training steps against budgets (issue 15)",
-                  COLUMNS)
+                  columns)
     for r in results:
         for row in r.rows:
-            table.add(*row)
+            table.add(*row[:len(columns)])
     notes = [f"Command: `{command}`; {source_state()}. Default TensorFlow settings (Grappler on, default thread pools). "
              "Absolute peaks (memsaving.measure_peak: weights and inputs included, as in the plans' "
              "predicted_peak); measured = max of the repeats after one warm-up run. Budgets are fractions of the "
              "measured plain peak; infeasible fractions are measured at budget=smallest_budget (budget MiB "
-             "column). error = (predicted - measured) / measured.", "", "Models:", ""]
+             "column). error = (predicted - measured) / measured."
+             + (" cal columns: the same feasible budget steps built with memsaving.fit_to_budget(body, x, "
+                "budget=b, restore_variables=True) and then measured as above (max of the repeats after one "
+                "warm-up); after its BudgetError, fit_to_budget again at the error's smallest_budget, measured "
+                "against it (cal measured/budget is then measured / smallest_budget). cal own MiB: "
+                "fit_to_budget's own last-round peak." if calibrated else ""), "", "Models:", ""]
     notes += [f"- {r.name}: {r.description}; in use before the step {r.in_use_before / MIB:.2f} MiB, plan "
               f"resident_bytes {r.resident / MIB:.2f} MiB" for r in results]
     notes += ["", "Summary:", ""] + summary_table + [""] + summary_lines
@@ -499,14 +710,18 @@ def write(results: List[ModelResult], summary_table: List[str], summary_lines: L
         writer = csv.writer(f)
         writer.writerow(["model", "case", "fraction", "budget_bytes", "status", "measured_max_bytes",
                          "measured_min_bytes", "predicted_bytes", "measured_over_budget", "predicted_over_budget",
-                         "error", "smallest_budget_bytes", "smallest_over_plain"])
+                         "error", "smallest_budget_bytes", "smallest_over_plain"]
+                        + (["cal_status", "cal_rounds", "cal_own_peak_bytes", "cal_measured_max_bytes",
+                            "cal_measured_min_bytes", "cal_measured_over_budget", "cal_smallest_budget_bytes",
+                            "cal_smallest_over_plain", "cal_at_smallest", "cal_rounds_at_smallest"]
+                           if calibrated else []))
         for row in table.rows:
-            writer.writerow(["" if v is None else round(v * MIB) if k in (3, 5, 6, 7, 11)
+            writer.writerow(["" if v is None else round(v * MIB) if k in (3, 5, 6, 7, 11) + CAL_MIB
                              else round(v, 4) if isinstance(v, float) else v for k, v in enumerate(row)])
     return [md, path]
 
 
-def run_worker(name: str, quick: bool, fractions, repeat: int, path: str) -> None:
+def run_worker(name: str, quick: bool, fractions, repeat: int, path: str, calibrate: bool = False) -> None:
     """Sweep one model in this process and write its result as JSON to ``path``."""
     if name in NEEDS_KERAS_HUB:
         try:
@@ -518,7 +733,7 @@ def run_worker(name: str, quick: bool, fractions, repeat: int, path: str) -> Non
             with open(path, "w") as f:
                 json.dump({"skipped": message}, f)
             return
-    result = sweep(name, quick, fractions, repeat)
+    result = sweep(name, quick, fractions, repeat, calibrate)
     print_model(result)
     with open(path, "w") as f:
         json.dump(dataclasses.asdict(result), f)
@@ -533,6 +748,7 @@ def run_isolated(name: str, args, fractions) -> Tuple[Optional[ModelResult], Opt
                    "--fractions", ",".join(str(f) for f in fractions), "--repeat", str(args.repeat)]
         if args.quick:
             command.append("--quick")
+        command.append("--calibrate" if args.calibrate else "--no-calibrate")
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         code = subprocess.call(command, cwd=root)
         if not os.path.exists(path):
@@ -554,6 +770,9 @@ def main(argv: Optional[List[str]] = None) -> List[ModelResult]:
     parser.add_argument("--quick", action="store_true", help="smaller models and three fractions: a smoke run")
     parser.add_argument("--repeat", type=int, default=3, help="measured runs per step after one warm-up (default 3)")
     parser.add_argument("--out", default=DEFAULT_OUT, help="directory for budget_promise.md and .csv")
+    parser.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                        help="also build each feasible budget step with memsaving.fit_to_budget and measure it "
+                             "(the cal columns; default on, --no-calibrate for the planner's promise alone)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: sweep one model in this process
     parser.add_argument("--result", help=argparse.SUPPRESS)  # internal: where the worker writes its JSON
     args = parser.parse_args(argv)
@@ -568,12 +787,13 @@ def main(argv: Optional[List[str]] = None) -> List[ModelResult]:
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
     if args.worker:
-        run_worker(args.worker, args.quick, fractions, args.repeat, args.result)
+        run_worker(args.worker, args.quick, fractions, args.repeat, args.result, args.calibrate)
         return []
     command = "python -m experiments.bench_budget_promise" + ("" if argv is None and len(sys.argv) <= 1 else
                                                               " " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"budget_promise: {', '.join(names)}; fractions {fractions}; {args.repeat} measured runs per step; "
-          f"one process per model; {machine()}; {source_state()}", flush=True)
+          f"{'with' if args.calibrate else 'without'} fit_to_budget calibration; one process per model; "
+          f"{machine()}; {source_state()}", flush=True)
 
     results, skipped = [], []
     start = time.perf_counter()
