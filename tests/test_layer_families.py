@@ -1,0 +1,325 @@
+"""Each Keras layer family: memory mode gives tf.gradients' gradients and a
+measured saving, under DEFAULT Grappler (no optimizer options changed).
+
+One small stack per family and one training step in a tf.function: forward
+with ``training=True``, a scalar loss, then ``memsaving.gradients(loss,
+model.trainable_variables, checkpoints="memory")`` or ``tf.gradients``, the
+weight gradients reduced to a scalar inside the step (returned gradients
+would hide the activations).  Each test checks
+
+* every gradient equals tf.gradients' (tight ``assert_allclose``);
+* the measured peak (``memsaving.measure_peak_increase``, CPU BFC allocator,
+  one inter-op thread as conftest sets) of memory mode is at most
+  ``max_ratio`` times that of plain tf.gradients;
+* the executed plan's prediction (``predicted_peak - resident_bytes``, from
+  ``memsaving.gradients_and_plan`` in the same trace) is within
+  ``under``/``over`` of the measured peak.
+
+Thresholds come from measurements on this machine (TF 2.21 CPU, Keras 3,
+2 cores, see FAMILIES) with ~15-20% headroom for executor noise.  Peaks repeat
+to the byte within one traced function, but two traces of the same step can
+differ by one or two activations (TensorFlow's executor decides per function,
+from kernel run times it measures in the first runs, which ops run inline and
+which go to the inter-op pool), so each figure is the smallest over
+``TRACES`` traces of ``RUNS`` runs after a warm-up run.
+
+Guards for two fixes: bias gradients waited on (memsaving.rewrite
+``_fusable_bias_gradient``; without it memory mode saves little on biased
+layers: Dense, EinsumDense, DepthwiseConv2D, Dense+BatchNorm, Embedding+Dense)
+and kept views pinning their base buffer (memsaving.simulate
+``_pin_view_bases``; without it the plan under-predicts and picks views as
+checkpoints: Conv1D, MultiHeadAttention, Embedding+Dense).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsaving
+
+MiB = 2**20
+TRACES = 2
+RUNS = 2
+L = keras.layers
+
+
+# --------------------------------------------------------------------------
+# the stacks
+
+
+def _sequential(input_shape, layers):
+    return keras.Sequential([keras.Input(input_shape)] + layers)
+
+
+def _dense():
+    return _sequential((256,), [L.Dense(256, activation="relu") for _ in range(24)]), [512, 256]
+
+
+def _einsum_dense():
+    layers = [L.EinsumDense("ab,bc->ac", output_shape=256, bias_axes="c", activation="relu") for _ in range(24)]
+    return _sequential((256,), layers), [512, 256]
+
+
+def _conv1d():
+    return _sequential((128, 64), [L.Conv1D(64, 3, padding="same", activation="relu") for _ in range(16)]), [32, 128, 64]
+
+
+def _conv2d(use_bias=False):
+    layers = [L.Conv2D(32, 3, padding="same", activation="relu", use_bias=use_bias) for _ in range(12)]
+    return _sequential((16, 16, 32), layers), [32, 16, 16, 32]
+
+
+def _conv2d_bias():
+    return _conv2d(use_bias=True)
+
+
+def _depthwise():
+    return _sequential((32, 32, 32), [L.DepthwiseConv2D(3, padding="same", activation="relu") for _ in range(16)]), [8, 32, 32, 32]
+
+
+def _batchnorm():
+    layers = []
+    for _ in range(6):
+        layers += [L.Dense(256), L.BatchNormalization(), L.ReLU()]
+    return _sequential((256,), layers), [1024, 256]
+
+
+def _layernorm():
+    layers = []
+    for _ in range(6):
+        layers += [L.Dense(256), L.LayerNormalization(), L.ReLU()]
+    return _sequential((256,), layers), [1024, 256]
+
+
+def _mha():
+    inputs = keras.Input((64, 64))
+    h = inputs
+    for _ in range(4):
+        h = L.LayerNormalization()(h + L.MultiHeadAttention(num_heads=4, key_dim=16)(h, h))
+    return keras.Model(inputs, h), [16, 64, 64]
+
+
+def _embedding():
+    inputs = keras.Input((64,), dtype="int32")
+    h = L.Embedding(1000, 128)(inputs)
+    for _ in range(10):
+        h = L.Dense(128, activation="relu")(h)
+    return keras.Model(inputs, h), [32, 64]
+
+
+def _recurrent():
+    return _sequential((16, 32), [L.LSTM(64, return_sequences=True), L.GRU(64, return_sequences=True)]), [128, 16, 32]
+
+
+# --------------------------------------------------------------------------
+# the step and its measurements
+
+
+def _inputs(model, shape):
+    if model.inputs[0].dtype == "int32":
+        x = tf.random.uniform(shape, maxval=1000, dtype=tf.int32, seed=1)
+    else:
+        x = tf.random.normal(shape, seed=1)
+    y = tf.random.normal(model(x).shape, seed=2)
+    return x, y
+
+
+def _loss(model, x, y):
+    return tf.reduce_mean(tf.square(model(x, training=True) - y))
+
+
+def _step(model, mode, plans):
+    """One training step, its weight gradients reduced to a scalar."""
+    weights = model.trainable_variables
+
+    @tf.function
+    def step(x, y):
+        loss = _loss(model, x, y)
+        if mode == "plain":
+            grads = tf.gradients(loss, weights)
+        else:
+            grads, plans["memory"] = memsaving.gradients_and_plan(loss, weights, checkpoints="memory")
+        return tf.add_n([tf.reduce_sum(g.values if isinstance(g, tf.IndexedSlices) else g) for g in grads])
+
+    return step
+
+
+def _both_gradients(model, x, y):
+    """tf.gradients' and memory mode's gradients of the same loss (one trace)."""
+    weights = model.trainable_variables
+
+    @tf.function
+    def both(x, y):
+        loss = _loss(model, x, y)
+        # memory mode first: tf.gradients adds outputs to a forward While
+        # loop, which memory mode would profile anew
+        ours = memsaving.gradients(loss, weights, checkpoints="memory")
+        plain = tf.gradients(loss, weights)
+        return [tf.convert_to_tensor(g) for g in plain], [tf.convert_to_tensor(g) for g in ours]
+
+    return both(x, y)
+
+
+@dataclasses.dataclass
+class Measured:
+    plain: float  # MiB, measure_peak_increase, the smallest over TRACES x RUNS
+    memory: float
+    predicted: float  # MiB, the executed plan's predicted_peak - resident_bytes
+    plan: memsaving.Plan
+    peaks: dict  # mode -> every measurement (MiB)
+
+
+def _run(build: Callable) -> Measured:
+    keras.utils.set_random_seed(0)
+    model, shape = build()
+    x, y = _inputs(model, shape)
+    plans = {}
+
+    # Peaks: within one traced function they repeat to the byte, but between
+    # two traces of the same step they can differ by a few activations
+    # (TensorFlow's executor decides per function, from kernel run times it
+    # measures in the first runs, which ops run inline and which go to the
+    # inter-op pool).  Hence the smallest over TRACES traces of RUNS runs.
+    peaks = {"plain": [], "memory": []}
+    for _ in range(TRACES):
+        for mode in peaks:
+            step = _step(model, mode, plans)
+            value = float(step(x, y))  # trace and warm up
+            peaks[mode] += [memsaving.measure_peak_increase(step, x, y) / MiB for _ in range(RUNS)]
+            plain_value = value if mode == "plain" else plain_value
+    assert value == pytest.approx(plain_value, rel=1e-5, abs=1e-6)
+
+    # gradients: every one equal to tf.gradients'
+    plain_grads, ours_grads = _both_gradients(model, x, y)
+    assert len(plain_grads) == len(ours_grads) == len(model.trainable_variables)
+    for variable, a, b in zip(model.trainable_variables, plain_grads, ours_grads):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6, err_msg=variable.path)
+
+    plan = plans["memory"]
+    measured = Measured(min(peaks["plain"]), min(peaks["memory"]),
+                        (plan.predicted_peak - plan.resident_bytes) / MiB, plan, peaks)
+    print(f"\npeaks (MiB) {peaks}, predicted {measured.predicted:.2f} MiB, checkpoints {plan.checkpoints}")
+    return measured
+
+
+# --------------------------------------------------------------------------
+# the families
+
+
+@dataclasses.dataclass
+class Family:
+    build: Callable
+    max_ratio: float  # measured memory <= max_ratio * measured plain
+    under: Optional[float]  # predicted >= (1 - under) * measured; None: prediction not checked
+    over: Optional[float] = None  # predicted <= (1 + over) * measured
+
+
+# Basis: MiB measured (plain / memory / predicted, smallest over traces) in
+# 5 separate processes each running the whole file (2 of them with an
+# unrelated fix reverted, which leaves the family unaffected where noted),
+# the memory/plain ratio's range, the prediction's relative error's range;
+# then what the same stack gave with each fix reverted (monkeypatched).
+FAMILIES = {
+    # 24 x Dense(256, relu), batch 512.  12.8-15.3 / 4.76 / 4.5: ratio
+    # 0.31-0.37, error -5%.  No bias fix: 13.0-15.3 / 12.5, ratio 0.82-0.96,
+    # error -64%.
+    "dense": Family(_dense, 0.45, 0.2, 0.2),
+    # 24 x EinsumDense("ab,bc->ac", bias_axes="c", relu), batch 512.
+    # 13.8-15.3 / 5.71 / 4.5: ratio 0.36-0.42, error -21%.  No bias fix:
+    # 15.2 / 12.7-13.2, ratio 0.83-0.87, error -65%.
+    "einsum_dense": Family(_einsum_dense, 0.5, 0.3, 0.2),
+    # 16 x Conv1D(64, 3, relu), (32, 128, 64).  19-26 / 8.0-9.4 / 7.05:
+    # ratio 0.36-0.42, error -12..-25%.  No view fix: 17.3 / 12.3 / 3.05,
+    # ratio 0.71, error -75% (a kept ExpandDims/Squeeze view counted free).
+    # No bias fix: ratio 0.42-0.53, error -38..-43% (fails on the
+    # prediction, narrowly).
+    "conv1d": Family(_conv1d, 0.5, 0.35, 0.2),
+    # 12 x Conv2D(32, 3, relu, use_bias=False), (32, 16, 16, 32).
+    # 13.6 / 7.3-8.3 / 6.0: ratio 0.54-0.61, error -18..-28%.  Neither fix
+    # changes it (no bias, no views); the Keras default with bias is
+    # test_conv2d_with_bias below.
+    "conv2d": Family(_conv2d, 0.7, 0.35, 0.2),
+    # 16 x DepthwiseConv2D(3, relu), (8, 32, 32, 32).  17.6-23.2 / 7.8-10.7 /
+    # 8.0: ratio 0.38-0.61, error -25..+3% (noisy).  No bias fix:
+    # 17.6-18.6 / 18.2, ratio 0.98-1.03, error -56%.
+    "depthwise_conv2d": Family(_depthwise, 0.7, 0.35, 0.2),
+    # 6 x (Dense(256), BatchNormalization, ReLU), batch 1024.  14.5-14.7 /
+    # 7.3-8.0 / 7.0-7.75: ratio 0.50-0.55, error -3..-4%.  No bias fix:
+    # 14.5 / 9.4-9.7, ratio 0.65-0.67, error -26..-28%.  No view fix: error
+    # -15% (passes, narrowly: the moments' Squeeze views).
+    "dense_batchnorm": Family(_batchnorm, 0.63, 0.15, 0.15),
+    # 6 x (Dense(256), LayerNormalization, ReLU), batch 1024.  21.8-24.1 /
+    # 10.0-10.7 / 8.0: ratio 0.42-0.49, error -20..-25% (the plan misses
+    # about two activations).  No bias fix: ratio 0.51-0.54, error -32%;
+    # no view fix: ratio 0.46-0.48, error -32%: both pass, the tolerance
+    # needed for the fixed code's error leaves no room to tell them apart.
+    "layernorm": Family(_layernorm, 0.57, 0.35, 0.15),
+    # 4 x (MultiHeadAttention(4 heads, key_dim 16) + residual, LayerNorm),
+    # (16, 64, 64).  15.1-17.1 / 5.53-5.56 / 6.03: ratio 0.33-0.37, error
+    # +8..+9%.  No view fix: 15.3-16.3 / 7.0-8.3 / 6.0, ratio 0.43-0.55,
+    # error -13..-27% (the attention heads' reshapes).
+    "multi_head_attention": Family(_mha, 0.44, 0.1, 0.25),
+    # Embedding(1000, 128) + 10 x Dense(128, relu), (32, 64) ids.  12.0-13.7 /
+    # 6.07-6.34 / 6.01: ratio 0.46-0.51, error -1..-5%.  No bias fix:
+    # 12.7 / 12.7, ratio 1.0, error -53%.  No view fix: 12.0 / 8.06 / 4.0,
+    # ratio 0.67, error -50% (Dense on 3-D input reshapes).
+    "embedding_dense": Family(_embedding, 0.6, 0.15, 0.15),
+}
+
+
+def _check(name, family, m):
+    assert m.plan.checkpoints, f"{name}: memory mode chose no checkpoints"
+    assert m.memory <= family.max_ratio * m.plain, (
+        f"{name}: memory mode {m.memory:.2f} MiB > {family.max_ratio} x plain {m.plain:.2f} MiB "
+        f"(peaks {m.peaks})")
+    if family.under is not None:
+        error = (m.predicted - m.memory) / m.memory
+        assert -family.under <= error <= family.over, (
+            f"{name}: predicted {m.predicted:.2f} MiB, measured {m.memory:.2f} MiB ({error:+.0%}, "
+            f"allowed -{family.under:.0%}..+{family.over:.0%})")
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_memory_mode_saves_on_layer_family(name):
+    family = FAMILIES[name]
+    _check(name, family, _run(family.build))
+
+
+@pytest.mark.slow  # a known problem, documented; not in the default run
+@pytest.mark.xfail(strict=False, reason=(
+    "Conv2D with its default bias: memory mode's saving is unreliable (memory/plain "
+    "0.62-1.08 from one process to the next, predicted 6.0 MiB, measured 8.0-14.5). Its "
+    "plans keep a convolution's output next to its BiasAdd output; a suspect: bias "
+    "gradients reading a kept tensor are exempt from waiting "
+    "(rewrite._fusable_bias_gradient), so the executor may defer them. The same stack "
+    "with 8 or 16 layers fails at run time with 'nodes in a cycle'."))
+def test_conv2d_with_bias():
+    """12 x Conv2D(32, 3, relu) (use_bias=True, the Keras default),
+    (32, 16, 16, 32).  Plain 13.0-13.4 MiB; memory mode 8.0-14.5 MiB
+    depending on the process, predicted 6.0 MiB."""
+    _check("conv2d_bias", Family(_conv2d_bias, 0.75, 0.35, 0.2), _run(_conv2d_bias))
+
+
+def test_recurrent_layers_are_not_worse():
+    """LSTM and GRU: nothing to save, and nothing lost.
+
+    Keras runs each recurrence as one While loop; memsaving never recomputes
+    control flow, so each loop (which keeps every time step's activations
+    for its own gradient) is kept whole, there is nothing between the two
+    loops worth a checkpoint, and memory mode cannot lower the peak.  It
+    must still give the same gradients and not raise the peak beyond noise.
+
+    LSTM(64) + GRU(64), (128, 16, 32).  9.4-9.6 / 9.1-9.5 / 10.0-10.3 MiB:
+    ratio 0.95-1.01, error +5..+11% (the plan sees the loops whole and
+    predicts them from measured kernel profiles).  Neither fix changes it.
+    """
+    m = _run(_recurrent)
+    assert m.memory <= 1.1 * m.plain + 0.25, f"memory mode {m.memory:.2f} MiB vs plain {m.plain:.2f} MiB"
+    error = (m.predicted - m.memory) / m.memory
+    assert -0.1 <= error <= 0.25, f"predicted {m.predicted:.2f} MiB, measured {m.memory:.2f} MiB ({error:+.0%})"
