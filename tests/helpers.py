@@ -105,3 +105,18 @@ def assert_close(plain, ours, rtol=1e-5):
         scale = max(float(np.max(np.abs(a))), 1e-12)
         err = float(np.max(np.abs(a - b))) / scale
         assert err <= rtol, f"gradient {i}: relative error {err:.3g} > {rtol}"
+
+
+def assert_gradients_equal(plain, ours, labels, context=""):
+    """tf.gradients' results (``plain``, numpy-convertible or None) against
+    memsaving's: None exactly where tf.gradients gives None, values within
+    rtol 1e-4 and atol 1e-5 of the gradient's largest entry.  ``labels``
+    names each x in the messages."""
+    for label, p, o in zip(labels, plain, ours):
+        if p is None:
+            assert o is None, f"{label}: tf.gradients gives None, memsaving a value"
+            continue
+        assert o is not None, f"{label}: memsaving gives None, tf.gradients a value"
+        p, o = p.numpy(), o.numpy()
+        scale = max(float(np.max(np.abs(p))), 1e-3)
+        np.testing.assert_allclose(o, p, rtol=1e-4, atol=1e-5 * scale, err_msg=f"{label}, {context}")

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import memsaving
-from helpers import dense
+from helpers import assert_gradients_equal, dense
 from random_programs import B, W, program_loss, program_reads, program_weights, programs, run_program
 
 MODES = ("subset", "memory", "speed", "collection", "budget", "none")
@@ -141,14 +141,7 @@ def check_call(call):
 
     plain, ours = both(x_value)
     assert len(plain) == len(ours) == len(call["xs"]) or not call["xs_as_list"]
-    for i, (p, o) in enumerate(zip(plain, ours)):
-        if p is None:
-            assert o is None, f"x {i} {call['xs'][i]}: tf.gradients gives None, memsaving a value"
-            continue
-        assert o is not None, f"x {i} {call['xs'][i]}: memsaving gives None, tf.gradients a value"
-        p, o = p.numpy(), o.numpy()
-        scale = max(float(np.max(np.abs(p))), 1e-3)
-        np.testing.assert_allclose(o, p, rtol=1e-4, atol=1e-5 * scale, err_msg=f"x {i} {call['xs'][i]}, {mode}")
+    assert_gradients_equal(plain, ours, [f"x {i} {x}" for i, x in enumerate(call["xs"])], mode)
 
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

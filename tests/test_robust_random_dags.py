@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import memsaving
-from helpers import dense, loss_ancestors
+from helpers import assert_gradients_equal, dense, loss_ancestors
 
 B, H, W, C = 2, 4, 4, 4
 SHAPE = [B, H, W, C]
@@ -151,14 +151,7 @@ def check_example(example):
 
     plain, ours = both(x)
     assert len(plain) == len(ours)
-    for i, (p, o) in enumerate(zip(plain, ours)):
-        if p is None:
-            assert o is None, f"gradient {i}: tf.gradients gives None, memsaving does not"
-            continue
-        assert o is not None, f"gradient {i}: memsaving gives None"
-        p, o = p.numpy(), o.numpy()
-        scale = max(float(np.max(np.abs(p))), 1e-3)
-        np.testing.assert_allclose(o, p, rtol=1e-4, atol=1e-5 * scale, err_msg=f"gradient {i}, mode {mode}")
+    assert_gradients_equal(plain, ours, [f"gradient {i}" for i in range(len(plain))], f"mode {mode}")
 
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
