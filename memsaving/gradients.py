@@ -27,6 +27,7 @@ from memsaving.extract import graph_model
 from memsaving.forward import forward_graph
 from memsaving.planning import Plan, make_plan
 from memsaving.hybrid import plan_hybrid
+from memsaving.loop_pinning import pin_loop_iterations
 from memsaving.rewrite import BackwardBuilder
 from memsaving.schedule import kept_set
 from memsaving.swap import CostModel, swap_candidates
@@ -208,6 +209,7 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
         builder = BackwardBuilder(fwd, kept, steps, gradients_fn, passed, probe=probe)
         created_before = len(graph.get_operations())
         result = builder.build(ys, grad_ys, xs, unconnected == tf.UnconnectedGradients.ZERO)
+        pin_loop_iterations(graph.get_operations()[created_before:])
         if plan_.swapped:
             by_tensor = {t.name: t for op in fwd.ops for t in op.outputs}
             insert_swaps(graph.get_operations()[created_before:], [by_tensor[n] for n in plan_.swapped],

@@ -130,9 +130,10 @@ def cache_dir(tmp_path, monkeypatch):
     profiles.CACHE.clear()
 
 
-def _plain_figures(model, x, batch):
+def _plain_figures(model, x, batch, gradients=tf.gradients):
     """(measured activation peak, predicted with profiles, predicted without,
-    the plan with profiles) of one plain training step of ``model``."""
+    the plan with profiles) of one plain training step of ``model``, its
+    gradients computed by ``gradients``."""
     captured = {}
 
     @tf.function
@@ -141,7 +142,7 @@ def _plain_figures(model, x, batch):
         weights = model.trainable_variables
         captured["with"] = memsaving.plan(loss, weights, checkpoints=[], batch_size=batch, profile=True)
         captured["without"] = memsaving.plan(loss, weights, checkpoints=[], batch_size=batch, profile=False)
-        grads = tf.gradients(loss, weights)
+        grads = gradients(loss, weights)
         # the loss is returned too: otherwise the ops computing it from the
         # output are pruned, and the step holds less than the model says
         return loss + tf.add_n([tf.reduce_sum(g) for g in grads])
@@ -210,26 +211,26 @@ def test_residual_conv_net(cache_dir):
     assert abs(with_ - measured) <= TOLERANCE * measured
 
 
-LOOP_TOLERANCE = 0.3
-
-
 def test_lstm_step(cache_dir):
     """A loop's gradient needs what the loop kept (saved bytes) and work
     memory of its own: without profiles the plain peak is predicted several
     times too low.
 
-    The loop's gradient runs iterations in parallel, and how many are in
-    flight (each holding its weight-gradient terms) is decided per process:
-    profiled alone, this loop's gradient held 1.6 MiB in most processes and
-    2.2 MiB in some, so the prediction is 2.14-2.16 or 2.64-2.66 MiB against
-    2.14-2.67 MiB measured for the settled step (errors up to 21% seen); hence 30%, not 15%."""
+    The step runs memsaving's gradient with nothing recomputed: its loops run
+    one iteration at a time (memsaving.loop_pinning), as the profiler measures
+    them.  Under ``tf.gradients`` the same step's peak drifts from 0.7 to
+    2.2 MiB as the executor starts more iterations at once."""
     inputs = keras.Input((32, 16))
     outputs = keras.layers.Dense(4)(keras.layers.LSTM(64, return_sequences=True)(inputs))
     model = keras.Model(inputs, outputs)
-    measured, with_, without, plan = _plain_figures(model, tf.random.normal([8, 32, 16]), 8)
+
+    def no_recomputation(loss, weights):
+        return memsaving.gradients(loss, weights, checkpoints=[], profile=False)
+
+    measured, with_, without, plan = _plain_figures(model, tf.random.normal([8, 32, 16]), 8, no_recomputation)
     _report("LSTM", measured, with_, without)
     assert without < 0.5 * measured
-    assert abs(with_ - measured) <= LOOP_TOLERANCE * measured
+    assert abs(with_ - measured) <= TOLERANCE * measured
 
 
 def _plan_of(model, x, **kwargs):
