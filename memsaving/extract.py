@@ -40,6 +40,10 @@ GRAD_READS_NOTHING = frozenset({
     "Squeeze", "StopGradient", "Cast", "StridedSlice", "Slice", "Pad", "ReadVariableOp",
     "Snapshot", "Shape",
 })
+GRAD_READS_CONDITION = frozenset({"Select", "SelectV2"})
+"""Ops whose gradient routes the incoming gradient by their first input (a
+boolean mask) and reads no value (the shapes it asks for are folded to
+constants when known)."""
 FORWARDS_INPUT_OPS = frozenset({
     "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Exp", "Log", "Neg", "Sqrt", "Rsqrt",
     "Square", "Abs", "Sin", "Cos", "Reciprocal", "Softplus", "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div",
@@ -97,6 +101,8 @@ def op_flops(op: tf.Operation, batch_size: int = 1) -> float:
 def _grad_reads(op: tf.Operation) -> List[tf.Tensor]:
     if op.type in GRAD_READS_NOTHING:
         return []
+    if op.type in GRAD_READS_CONDITION:
+        return [op.inputs[0]]
     if op.type in GRAD_READS_OUTPUTS:
         return [t for t in op.outputs if is_trainable(t)]
     if op.type in GRAD_READS_INPUTS:
@@ -168,7 +174,8 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
     for i, op in enumerate(ops):
         inputs = tuple(tensor_id(t, position.get(t.op, -1)) for t in op.inputs)
         outputs = tuple(tensor_id(t, i) for t in op.outputs)
-        reads = tuple(ids[id(t)] for t in _grad_reads(op))
+        # only the forward ops are differentiated: the others' gradients never run
+        reads = tuple(ids[id(t)] for t in _grad_reads(op)) if fwd.contains_op(op) else ()
         info = OpInfo(
             name=op.name, type=op.type, inputs=inputs, outputs=outputs,
             forward=fwd.contains_op(op), copyable=is_copyable(op),
