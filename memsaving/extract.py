@@ -40,10 +40,11 @@ GRAD_READS_NOTHING = frozenset({
     "Squeeze", "StopGradient", "Cast", "StridedSlice", "Slice", "Pad", "ReadVariableOp",
     "Snapshot", "Shape",
 })
-GRAD_READS_CONDITION = frozenset({"Select", "SelectV2"})
+GRAD_READS_CONDITION = frozenset({"SelectV2"})
 """Ops whose gradient routes the incoming gradient by their first input (a
 boolean mask) and reads no value (the shapes it asks for are folded to
-constants when known)."""
+constants when known).  Not v1 ``Select``: its gradient builds
+``zeros_like`` of the selected input, which holds that input."""
 FORWARDS_INPUT_OPS = frozenset({
     "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Exp", "Log", "Neg", "Sqrt", "Rsqrt",
     "Square", "Abs", "Sin", "Cos", "Reciprocal", "Softplus", "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div",
