@@ -701,10 +701,7 @@ def write(results: List[ModelResult], summary_table: List[str], summary_lines: L
     if failures:
         notes += ["", "Failures:", ""] + failures
     table.notes = notes
-    os.makedirs(out, exist_ok=True)
-    md = os.path.join(out, f"{NAME}.md")
-    with open(md, "w") as f:
-        f.write(table.markdown())
+    md = table.write_markdown(out)
     path = os.path.join(out, f"{NAME}.csv")
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)

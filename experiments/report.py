@@ -58,11 +58,16 @@ class Table:
             lines.extend(self.notes)
         return "\n".join(lines) + "\n"
 
-    def write(self, out_dir: str) -> List[str]:
+    def write_markdown(self, out_dir: str) -> str:
+        """Write ``<name>.md`` into ``out_dir`` (created if missing); returns its path."""
         os.makedirs(out_dir, exist_ok=True)
         md = os.path.join(out_dir, f"{self.name}.md")
         with open(md, "w") as f:
             f.write(self.markdown())
+        return md
+
+    def write(self, out_dir: str) -> List[str]:
+        md = self.write_markdown(out_dir)
         path = os.path.join(out_dir, f"{self.name}.csv")
         with open(path, "w", newline="") as f:
             writer = csv.writer(f)
