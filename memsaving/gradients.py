@@ -56,8 +56,9 @@ ORIGINAL_TF_COMPAT_V1_GRADIENTS = _gradients_impl.gradients
 _PASSED_THROUGH = ("gate_gradients", "aggregation_method", "colocate_gradients_with_ops")
 _SWAP_KEYS = ("swap", "swap_device", "swap_trigger", "swap_lb", "swap_ub", "swap_fuse", "bandwidth",
               "flops_per_second", "swap_backend")
+HALF_PRECISION = (tf.float16, tf.bfloat16)
 ACCEPTED_KEYWORDS = frozenset(_PASSED_THROUGH + ("name", "stop_gradients", "unconnected_gradients", "batch_size")
-                      + _SWAP_KEYS + ("profile",))
+                      + _SWAP_KEYS + ("profile", "follow_order"))
 
 
 def _as_list(value) -> list:
@@ -131,7 +132,15 @@ def gradients(
         op's kernel temporaries and run times on this device
         (:mod:`memsaving.profiles`, cached on disk), False leaves them out;
         by default they are measured with ``budget`` or ``"memory"`` and
-        otherwise taken from the cache when there.
+        otherwise taken from the cache when there; ``follow_order``:
+        True makes each unit's gradient ops run in the order the plan was
+        scored in, with control edges (:mod:`memsaving.order`); False
+        leaves the order to TensorFlow's executor, whose peak can then run
+        above the predicted one.  By default it is on, except when the
+        forward pass computes in float16 or bfloat16 (Grappler rewrites ops
+        that carry control edges differently, and in half precision the
+        gradients would then round differently from tf.gradients'); with
+        ``swap`` it is always off (the swaps order the step themselves).
 
     Stateful ops (variable reads, random ops, calls with side effects) and
     control-flow ops are never recomputed; their outputs are kept.
@@ -167,6 +176,7 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
             f"memsaving.gradients got unexpected keyword argument(s) {unknown}; "
             f"accepted: ys, xs, grad_ys, checkpoints, {', '.join(sorted(ACCEPTED_KEYWORDS))}"
         )
+    _check_follow_order(kwargs.get("follow_order"))
     ys = _as_list(ys)
     xs = _as_list(xs)
     if not ys:
@@ -206,7 +216,8 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
         kept |= {by_name[n] for names in plan_.inner_checkpoints.values() for n in names}
         steps = [(kind, by_name[anchor] if anchor else None, [by_name[n] for n in names])
                  for kind, anchor, names in plan_.steps]
-        builder = BackwardBuilder(fwd, kept, steps, gradients_fn, passed, probe=probe)
+        builder = BackwardBuilder(fwd, kept, steps, gradients_fn, passed, probe=probe,
+                                  follow_order=_follow_order(kwargs.get("follow_order"), fwd, plan_))
         created_before = len(graph.get_operations())
         result = builder.build(ys, grad_ys, xs, unconnected == tf.UnconnectedGradients.ZERO)
         pin_loop_iterations(graph.get_operations()[created_before:])
@@ -221,6 +232,21 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
         plan_.predicted_peak / 2**20, plan_.plain_peak / 2**20,
     )
     return result, plan_
+
+
+def _check_follow_order(value) -> None:
+    if value is not None and not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"follow_order={value!r}: pass True (run gradient ops in the planned order), False "
+                        "(leave the order to TensorFlow) or leave it out")
+
+
+def _follow_order(value, fwd, plan_: Plan) -> bool:
+    """Whether the rewrite adds ordering edges (see ``follow_order`` in :func:`gradients`)."""
+    if plan_.swapped:
+        return False  # the swap rewrite orders the step; more edges could close a cycle
+    if value is not None:
+        return bool(value)
+    return not any(t.dtype in HALF_PRECISION for op in fwd.ops for t in op.outputs)
 
 
 def _graph_tensors(ys: list, xs: list):

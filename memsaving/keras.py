@@ -43,7 +43,7 @@ from memsaving.errors import BudgetError, PeakMemoryUnavailableError
 from memsaving.fit_budget import (MEASURED_STEPS, Calibration, CalibrationRound, budget_margin, calibration_error,
                                   next_margin, planner_said, planning_budget_for)
 from memsaving.gradients import gradients_and_plan
-from memsaving.measure import _default_device, _reset
+from memsaving.measure import default_device, reset_peak
 from memsaving.planning import Plan
 
 logger = logging.getLogger("memsaving")
@@ -414,7 +414,7 @@ class _Calibrator:
         self.max_rounds = max_rounds
         self.plans: List[Plan] = []  # plans traced since the last measured step
         self.over = 0  # rounds above the budget in a row
-        self.device = _default_device()
+        self.device = default_device()
         self.measured_function: Any = None  # the last train function judged
         self.pending: Optional[list] = None  # [plans, highest peak, steps] of the trace being measured
         self.off = False
@@ -430,7 +430,7 @@ class _Calibrator:
         self.plans.append(plan)
         if not self.off:
             try:
-                _reset(self.device)
+                reset_peak(self.device)
             except PeakMemoryUnavailableError:
                 pass  # begin_step says so once, with what to do
 
@@ -456,7 +456,7 @@ class _Calibrator:
         if self.off or (judged and not self.plans and self.pending is None):
             return False
         try:
-            _reset(self.device)
+            reset_peak(self.device)
         except PeakMemoryUnavailableError as error:
             self.off = True
             warnings.warn(f"memsaving.keras: the budget cannot be checked against measured peaks: {error}",

@@ -10,7 +10,8 @@ import tensorflow as tf
 from memsaving.errors import PeakMemoryUnavailableError
 
 
-def _default_device() -> str:
+def default_device() -> str:
+    """Where peaks are measured by default: the first GPU, else the CPU."""
     return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
 
 
@@ -29,8 +30,8 @@ def measure_peak(fn: Callable[..., Any], *args, device: Optional[str] = None, **
     Raises:
       PeakMemoryUnavailableError: the device's allocator keeps no statistics.
     """
-    device = device or _default_device()
-    _reset(device)
+    device = device or default_device()
+    reset_peak(device)
     result = fn(*args, **kwargs)
     tf.nest.map_structure(
         lambda t: t.numpy() if hasattr(t, "numpy") else t,
@@ -39,7 +40,7 @@ def measure_peak(fn: Callable[..., Any], *args, device: Optional[str] = None, **
     return int(tf.config.experimental.get_memory_info(device)["peak"])
 
 
-def _reset(device: str) -> None:
+def reset_peak(device: str) -> None:
     """Reset the device's allocator statistics, or explain why there are none."""
     try:
         tf.config.experimental.reset_memory_stats(device)
@@ -68,7 +69,7 @@ def measure_peak_increase(fn: Callable[..., Any], *args, device: Optional[str] =
     variables and results still alive; this is the memory the call itself
     needed (activations, gradients, temporaries).
     """
-    device = device or _default_device()
-    _reset(device)
+    device = device or default_device()
+    reset_peak(device)
     before = int(tf.config.experimental.get_memory_info(device)["current"])
     return measure_peak(fn, *args, device=device, **kwargs) - before

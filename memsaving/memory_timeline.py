@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from memsaving.gradients import gradients_and_plan
-from memsaving.measure import _default_device, _reset
+from memsaving.measure import default_device, reset_peak
 from memsaving.planning import Plan
 
 
@@ -100,7 +100,7 @@ def timeline(
     ``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts (``import
     memsaving`` first sets it).
     """
-    device = device or _default_device()
+    device = device or default_device()
     records: List[Tuple[str, int, int]] = []
     captured = {}
     batch = None
@@ -120,7 +120,7 @@ def timeline(
 
     step(*inputs).numpy()
     records.clear()
-    _reset(device)
+    reset_peak(device)
     baseline = int(tf.config.experimental.get_memory_info(device)["current"])
     step(*inputs).numpy()
     plan = captured["plan"]

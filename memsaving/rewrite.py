@@ -42,6 +42,7 @@ from tensorflow.python.ops import default_gradient
 from tensorflow.python.util import object_identity
 
 from memsaving.aggregation import Gradient, aggregate, producing_ops
+from memsaving.order import chain_gradient_groups, gradient_groups
 from memsaving.forward import ForwardGraph, is_copyable, is_trainable
 from memsaving.schedule import recomputes_anchor
 
@@ -80,6 +81,7 @@ class BackwardBuilder:
         gradients_fn: GradientsFn,
         gradient_kwargs: dict,
         probe: Optional[Callable[[str, list], object]] = None,
+        follow_order: bool = True,
     ):
         """``kept`` and ``steps`` come from the plan (memsaving.planning):
         ``kept`` holds every op whose outputs are checkpoints (inner ones
@@ -102,6 +104,7 @@ class BackwardBuilder:
         # the next segment is recomputed (else the executor may defer them
         # and keep every segment's activations alive at once)
         self.previous_results: list = []
+        self.follow_order = follow_order
 
     # -- predicates ---------------------------------------------------------
     def is_kept(self, tensor: tf.Tensor) -> bool:
@@ -130,10 +133,8 @@ class BackwardBuilder:
         boundary = self._boundary(ops)
         if not boundary:
             return
-        results = self.gradients_fn(
-            inner, boundary, grad_ys=inner_grads, stop_gradients=boundary + _outside_inputs(ops, boundary),
-            **self.gradient_kwargs,
-        )
+        results = self._differentiate(
+            ops, inner, boundary, grad_ys=inner_grads, stop_gradients=boundary + _outside_inputs(ops, boundary))
         for t, g in zip(boundary, results):
             self.grads.add(t, g)
         self.previous_results = [g for g in results if g is not None]
@@ -183,9 +184,7 @@ class BackwardBuilder:
                 inputs.append(t)
         if not inputs:
             return
-        results = self.gradients_fn(
-            outs, inputs, grad_ys=out_grads, stop_gradients=inputs, **self.gradient_kwargs
-        )
+        results = self._differentiate([op], outs, inputs, grad_ys=out_grads, stop_gradients=inputs)
         for t, g in zip(inputs, results):
             self.grads.add(t, g)
         self._unit_results(results, waited=False)
@@ -246,9 +245,8 @@ class BackwardBuilder:
                 proxies[t] = tf.identity(self.sources.get(t, t), name=f"segment_inputs_{self.segments}/proxy")
         copies = self._copy_ops(ops, proxies, wait_for, prefix)
         copied_outs = [copies[op].outputs[t.value_index] for t in outs]
-        results = self.gradients_fn(
-            copied_outs, list(proxies.values()), grad_ys=out_grads, **self.gradient_kwargs
-        )
+        results = self._differentiate([copies[o] for o in ops], copied_outs, list(proxies.values()),
+                                      grad_ys=out_grads, first_wait_for=wait_for)
         if not recomputes_anchor(op.type):
             self._read_kept_outputs(op, copies[op])
         for t, g in zip(boundary, results):
@@ -257,6 +255,21 @@ class BackwardBuilder:
         # never runs), so nothing in this unit waited: pass the wait on
         nothing_recomputed = len(ops) == 1 and not recomputes_anchor(op.type)
         self._unit_results(results, waited=not nothing_recomputed)
+
+    def _differentiate(self, forward_ops: Sequence[tf.Operation], ys, xs, first_wait_for=(), **kwargs) -> list:
+        """``tf.gradients`` of one unit whose forward ops (in topological
+        order) are ``forward_ops``, its gradient ops chained last op first,
+        as the simulator runs them (:mod:`memsaving.order`); the first ops
+        also wait on ``first_wait_for``, as the unit's copies do (a kept
+        anchor's gradient reads only kept tensors and would otherwise start
+        while earlier units still run)."""
+        graph = ys[0].graph
+        before = len(graph.get_operations())
+        results = self.gradients_fn(ys, xs, **kwargs, **self.gradient_kwargs)
+        if self.follow_order:
+            made = graph.get_operations()[before:]
+            chain_gradient_groups(gradient_groups(made, list(reversed(forward_ops))), list(first_wait_for))
+        return results
 
     def _unit_results(self, results: list, waited: bool) -> None:
         """Remember a unit's gradients for the next unit's copies to wait on.
