@@ -83,10 +83,10 @@ def chain_gradient_groups(groups: Sequence[Sequence[tf.Operation]],
     """Make each group's first ops wait for the previous group's last ops.
 
     A group's *first* ops read nothing made inside the group (constants and
-    shapes aside); its *last* ops feed nothing inside it.  The first group's first ops wait for
-    ``first_wait_for``.  When a group has no last op that can be waited on
-    (only bias gradients), the next group waits for what this one waited
-    for.  Returns the number of control edges added.
+    shapes aside); its *last* ops feed nothing inside it.  The first group's
+    first ops wait for ``first_wait_for``.  When a group has no last op that
+    can be waited on (only bias gradients), the next group waits for what
+    this one waited for.  Returns the number of control edges added.
     """
     added = 0
     waited: List[tf.Operation] = list(first_wait_for)

@@ -199,8 +199,9 @@ def test_measured_peak_follows_the_prediction_with_default_threads():
     use before it, against the predicted peak above the resident bytes)
     within 10% of the prediction, and the same in every run.
 
-    Measured on 2 cores: 4.76 MiB in every run against 4.50 predicted; with
-    ``follow_order=False``, 5.27-5.52 MiB (17-23% above)."""
+    Measured on 2 cores, a process per setting: 4.76 MiB in every run
+    against 4.50 predicted; with ``two_tower_figures(False)``, 5.50-5.76 MiB
+    (22-28% above)."""
     figures = _in_a_process_with_default_threads(True)
     measured, predicted = figures["measured"], figures["predicted"]
     print(f"\ntwo towers, memory mode, default threads: predicted {predicted:.2f} MiB, measured "
