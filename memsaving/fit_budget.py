@@ -162,25 +162,39 @@ def next_margin(margin: int, measured: int, budget: int, predicted: int) -> int:
     return max(margin + (measured - budget) + int(math.ceil(SLACK * budget)), budget - predicted + 1)
 
 
+def smallest_measured_budget(rounds: Sequence[CalibrationRound]) -> Optional[int]:
+    """A budget some measured plan fits: the lowest measured peak plus :data:`SLACK` of it.
+
+    The lowest peak alone is one sample of a figure that moves a little from
+    run to run; a budget equal to it is met about half the time when the
+    same plan is measured again.  None when nothing was measured.
+    """
+    if not rounds:
+        return None
+    lowest = min(r.measured_peak for r in rounds)
+    return lowest + int(math.ceil(SLACK * lowest))
+
+
 def calibration_error(what: str, budget: int, rounds: Sequence[CalibrationRound], reason: str,
                       calibration: Optional[Calibration] = None) -> BudgetError:
-    """A BudgetError listing every round; ``.smallest_budget`` is the lowest peak measured.
+    """A BudgetError listing every round; ``.smallest_budget`` is :func:`smallest_measured_budget`.
 
     Used by :func:`fit_to_budget` and by ``memsaving.keras``' calibration.
 
-    The lowest measured peak is a budget some plan did fit when measured
-    (None when nothing was measured); it is the only figure in the message
-    written as ``(N bytes)``, the form ``BudgetError.smallest_budget`` reads.
+    That budget (None when nothing was measured) is the only figure in the
+    message written as ``(N bytes)``, the form ``BudgetError.smallest_budget``
+    reads.
     ``calibration``, when given, is attached as ``error.calibration``.
     """
     lines = [f"{what}: {reason}"]
     lines += [f"  round {n}: {r.describe(budget)}" for n, r in enumerate(rounds, 1)]
-    if rounds:
+    smallest = smallest_measured_budget(rounds)
+    if smallest is not None:
         best = min(range(len(rounds)), key=lambda n: rounds[n].measured_peak)
-        lowest = rounds[best].measured_peak
-        lines.append(f"The smallest budget that fit when measured is {format_bytes(lowest)} ({lowest} bytes), "
-                     f"the peak of round {best + 1}. Raise the budget to at least that, allow more rounds, "
-                     "or reduce the batch size.")
+        lines.append(f"The smallest budget to ask for is {format_bytes(smallest)} ({smallest} bytes): the lowest "
+                     f"peak measured, {format_bytes(rounds[best].measured_peak)} in round {best + 1}, plus "
+                     f"{SLACK:.0%} for the run-to-run variation of a step's peak. Raise the budget to at least "
+                     "that, allow more rounds, or reduce the batch size.")
     else:
         lines.append("Raise the budget or reduce the batch size.")
     error = BudgetError("\n".join(lines))
@@ -258,8 +272,9 @@ def fit_to_budget(
       memsaving.BudgetError: the measured peak is still above ``budget``
         after ``max_rounds`` rounds, or the planner finds nothing for the
         lowered budget; the message lists every round, and
-        ``.smallest_budget`` is the lowest peak measured (a budget that did
-        fit, with that round's plan), None if nothing was measured;
+        ``.smallest_budget`` is the lowest peak measured plus 2% (a budget
+        that round's plan fits, with room for the peak's run-to-run
+        variation), None if nothing was measured;
         ``.calibration`` holds the rounds.
     """
     target = _check_arguments(step_fn, budget, max_rounds)
@@ -291,8 +306,26 @@ def fit_to_budget(
             f"{max_rounds} round(s) (max_rounds={max_rounds}):", report)
     finally:
         if snapshot is not None:
-            for variable, value in snapshot:
-                variable.assign(value)
+            restore_in_place(snapshot)
+
+
+def restore_in_place(snapshot: Sequence[tuple]) -> None:
+    """Put each ``(variable, numpy value)`` back, writing into the variable's own buffer.
+
+    ``variable.assign(value)`` makes the variable adopt a newly allocated
+    buffer, which the allocator may count larger or smaller than the old one
+    (its chunks are not always split to the size asked for); the memory in
+    use after calibration, and so every absolute peak measured after it,
+    would then differ from the calibrated one by megabytes.  A slice
+    assignment over the whole variable copies into the existing buffer.
+    Falls back to ``assign`` for a variable whose dtype slice assignment does
+    not support.
+    """
+    for variable, value in snapshot:
+        try:
+            variable[...].assign(value)
+        except (TypeError, ValueError, NotImplementedError, tf.errors.OpError):
+            variable.assign(value)
 
 
 def planning_budget_for(budget: int, margin: int) -> int:

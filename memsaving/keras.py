@@ -88,7 +88,7 @@ def enable(
         budget is taken off the budget the planner plans for and the step is
         traced again for the next steps. Those steps are real training
         steps. The error lists every round; its ``smallest_budget`` is the
-        lowest peak measured. :func:`calibration_of` returns the rounds;
+        lowest peak measured plus 2%. :func:`calibration_of` returns the rounds;
         calling ``enable`` again starts a new calibration.
 
     XLA (``jit_compile=True``) schedules the whole step itself and would
