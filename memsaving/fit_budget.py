@@ -306,26 +306,8 @@ def fit_to_budget(
             f"{max_rounds} round(s) (max_rounds={max_rounds}):", report)
     finally:
         if snapshot is not None:
-            restore_in_place(snapshot)
-
-
-def restore_in_place(snapshot: Sequence[tuple]) -> None:
-    """Put each ``(variable, numpy value)`` back, writing into the variable's own buffer.
-
-    ``variable.assign(value)`` makes the variable adopt a newly allocated
-    buffer, which the allocator may count larger or smaller than the old one
-    (its chunks are not always split to the size asked for); the memory in
-    use after calibration, and so every absolute peak measured after it,
-    would then differ from the calibrated one by megabytes.  A slice
-    assignment over the whole variable copies into the existing buffer.
-    Falls back to ``assign`` for a variable whose dtype slice assignment does
-    not support.
-    """
-    for variable, value in snapshot:
-        try:
-            variable[...].assign(value)
-        except (TypeError, ValueError, NotImplementedError, tf.errors.OpError):
-            variable.assign(value)
+            for variable, value in snapshot:
+                variable.assign(value)
 
 
 def planning_budget_for(budget: int, margin: int) -> int:
