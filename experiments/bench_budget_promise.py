@@ -164,13 +164,19 @@ def _application(name: str) -> Callable[[bool], Case]:
     return build
 
 
-def _keras_hub_backbone(kind: str) -> Callable[[bool], Case]:
-    def build(quick: bool) -> Case:
+def keras_hub_backbone(kind: str, full=(4, 128, 4), quick=(2, 64, 2),
+                       max_sequence_length: Optional[int] = 128) -> Callable[[bool], Case]:
+    """A builder of a keras_hub ``"gpt2"`` or ``"bert"`` backbone from constructor arguments (no preset).
+
+    ``full`` and ``quick`` are ``(layers, sequence length, batch)``;
+    ``max_sequence_length`` None means the sequence length built for.
+    """
+    def build(is_quick: bool) -> Case:
         import keras_hub  # pylint: disable=import-outside-toplevel
 
-        layers, seq, batch = (2, 64, 2) if quick else (4, 128, 4)
+        layers, seq, batch = quick if is_quick else full
         config = dict(vocabulary_size=1000, num_layers=layers, num_heads=4, hidden_dim=128, intermediate_dim=512,
-                      max_sequence_length=128)
+                      max_sequence_length=max_sequence_length or seq)
         cls = keras_hub.models.GPT2Backbone if kind == "gpt2" else keras_hub.models.BertBackbone
         inputs = {"token_ids": _tokens(batch, seq, 1000), "padding_mask": tf.ones([batch, seq], tf.int32)}
         if kind == "bert":
@@ -190,8 +196,8 @@ MODELS: Dict[str, Callable[[bool], Case]] = {
     "lstm_gru": _lstm_gru,
     "resnet50v2": _application("resnet50v2"),
     "efficientnetb0": _application("efficientnetb0"),
-    "gpt2": _keras_hub_backbone("gpt2"),
-    "bert": _keras_hub_backbone("bert"),
+    "gpt2": keras_hub_backbone("gpt2"),
+    "bert": keras_hub_backbone("bert"),
 }
 NEEDS_KERAS_HUB = frozenset({"gpt2", "bert"})
 

@@ -27,28 +27,17 @@ import memsaving  # noqa: F401  (sets the BFC allocator before TensorFlow starts
 import tensorflow as tf
 
 from experiments.bench_budget_promise import MODELS as PROMISE_MODELS
-from experiments.bench_budget_promise import Case, measure
+from experiments.bench_budget_promise import Case, keras_hub_backbone, measure
 
 MIB = 2 ** 20
 
 TARGETS = {"mlp24": 2.0, "gpt2_12": 3.0}
 """The issue's minimum plain / memory ratio per model."""
 
-
-def _gpt2_12(quick: bool) -> Case:
-    import keras_hub  # pylint: disable=import-outside-toplevel
-
-    layers, seq, batch = (4, 128, 2) if quick else (12, 256, 4)
-    model = keras_hub.models.GPT2Backbone(vocabulary_size=1000, num_layers=layers, num_heads=4, hidden_dim=128,
-                                          intermediate_dim=512, max_sequence_length=seq)
-    tokens = tf.random.stateless_uniform([batch, seq], seed=(3, 4), minval=0, maxval=1000, dtype=tf.int32)
-    inputs = {"token_ids": tokens, "padding_mask": tf.ones([batch, seq], tf.int32)}
-    return Case(model, inputs, batch,
-                f"keras_hub GPT2Backbone(vocabulary_size=1000, num_layers={layers}, num_heads=4, hidden_dim=128, "
-                f"intermediate_dim=512), no preset, seq {seq}, batch {batch}")
-
-
-BUILDERS: Dict[str, Callable[[bool], Case]] = {"mlp24": PROMISE_MODELS["mlp24"], "gpt2_12": _gpt2_12}
+BUILDERS: Dict[str, Callable[[bool], Case]] = {
+    "mlp24": PROMISE_MODELS["mlp24"],
+    "gpt2_12": keras_hub_backbone("gpt2", full=(12, 256, 4), quick=(4, 128, 2), max_sequence_length=None),
+}
 
 
 def figures(name: str, repeat: int, quick: bool) -> dict:

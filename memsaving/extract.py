@@ -175,11 +175,12 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
     for i, op in enumerate(ops):
         inputs = tuple(tensor_id(t, position.get(t.op, -1)) for t in op.inputs)
         outputs = tuple(tensor_id(t, i) for t in op.outputs)
+        forward = fwd.contains_op(op)
         # only the forward ops are differentiated: the others' gradients never run
-        reads = tuple(ids[id(t)] for t in _grad_reads(op)) if fwd.contains_op(op) else ()
+        reads = tuple(ids[id(t)] for t in _grad_reads(op)) if forward else ()
         info = OpInfo(
             name=op.name, type=op.type, inputs=inputs, outputs=outputs,
-            forward=fwd.contains_op(op), copyable=is_copyable(op),
+            forward=forward, copyable=is_copyable(op),
             grad_reads=reads, cost=op_flops(op, batch_size),
             forwards_input=op.type in FORWARDS_INPUT_OPS or op.type in ALIASING_OPS,
         )
