@@ -307,7 +307,31 @@ def fit_to_budget(
     finally:
         if snapshot is not None:
             for variable, value in snapshot:
-                variable.assign(value)
+                restore_variable(variable, value)
+
+
+def restore_variable(variable: tf.Variable, value: np.ndarray) -> None:
+    """Put ``value`` back into ``variable``, in the buffer it already has when that is exact.
+
+    ``assign`` makes the variable adopt a new buffer: a new allocator chunk,
+    which the allocator may count larger or smaller than the old one, or the
+    host array itself when TensorFlow wraps it without copying.  Either way
+    the memory in use after calibration would not be the memory calibration
+    measured with.  Two in-place additions keep the buffer: adding the
+    negated current value gives exactly zero, and adding ``value`` to zero
+    gives exactly ``value``.  That holds for finite floats, so other dtypes,
+    non-finite current values and negative zeros in ``value`` (zero plus -0.0
+    is +0.0) are assigned instead.  A buffer shared with a live tensor is
+    copied by the addition too, as it would be by any update.
+    """
+    dtype = tf.as_dtype(variable.dtype)
+    if dtype.is_floating and not np.any(np.signbit(value) & (value == 0)):
+        current = np.array(variable.numpy(), copy=True)
+        if np.all(np.isfinite(current)):
+            variable.assign_add(-current)
+            variable.assign_add(value)
+            return
+    variable.assign(value)
 
 
 def planning_budget_for(budget: int, margin: int) -> int:

@@ -164,6 +164,72 @@ def test_smallest_budget_of_the_error_fits_when_measured():
     assert step.calibration.measured_peak <= smallest
 
 
+def _buffer_address(variable) -> int:
+    """Where the variable's buffer is: a CPU tensor's numpy view shares its memory."""
+    value = variable.read_value()
+    address = np.asarray(value).__array_interface__["data"][0]
+    del value
+    return address
+
+
+def _in_use() -> int:
+    return tf.config.experimental.get_memory_info("CPU:0")["current"]
+
+
+@pytest.mark.parametrize("case", ["finite", "negative zero", "infinite now", "int32"])
+def test_restore_variable_puts_back_the_exact_value_in_the_same_buffer(case):
+    from memsaving.fit_budget import restore_variable
+    rng = np.random.default_rng(0)
+    dtype = np.int32 if case == "int32" else np.float32
+    saved = (rng.standard_normal((512, 1024)) * 1e4).astype(dtype)
+    if case == "negative zero":
+        saved[0, :8] = -0.0
+    variable = tf.Variable(tf.zeros(saved.shape, dtype))
+    variable.assign_add(saved)  # the variable's buffer is an allocator chunk, as after a layer's initializer
+    update = (rng.standard_normal(saved.shape) * 3).astype(dtype)
+    variable.assign_add(update)  # a training step, in place
+    if case == "infinite now":
+        variable.assign_add(np.where(np.arange(saved.size).reshape(saved.shape) == 5, np.inf, 0).astype(dtype))
+    gc.collect()
+    address, in_use = _buffer_address(variable), _in_use()
+    restore_variable(variable, saved)
+    gc.collect()
+    restored = variable.numpy()
+    assert restored.tobytes() == saved.tobytes(), "the restore must be bit-exact (signs of zeros included)"
+    if case == "finite":  # the exact in-place path: the same buffer, the same memory in use
+        assert _buffer_address(variable) == address
+        assert _in_use() == in_use
+
+
+def test_fit_to_budget_restore_leaves_the_memory_in_use_as_calibration_measured_it():
+    """A step that leaves its weights alone (it sums their gradients, as the benchmark's steps do)
+    and counts its runs: restoring must not give the weights new buffers, which the allocator
+    would count afresh, and must put the counter back."""
+    mlp = MLP(seed=2)
+    plain, resident = mlp.plain_plan()
+    budget = int(resident + 0.6 * (plain - resident))
+    runs = tf.Variable(0.0)
+
+    def step(x):
+        grads = memsaving.gradients(mlp.loss(x), mlp.weights, checkpoints="memory", budget=budget)
+        runs.assign_add(1.0)
+        return tf.add_n([tf.reduce_sum(g) for g in grads])
+
+    for w in mlp.weights:  # out of the host arrays they were made from, into allocator chunks as Keras' are
+        w.assign(w * 1.0)
+    gc.collect()
+    addresses, in_use = [_buffer_address(w) for w in mlp.weights], _in_use()
+    try:
+        memsaving.fit_to_budget(step, mlp.x, budget=budget, max_rounds=2, restore_variables=True)
+    except memsaving.BudgetError:
+        pass  # the restore runs either way
+    gc.collect()
+    assert runs.numpy() == 0.0
+    assert [_buffer_address(w) for w in mlp.weights] == addresses
+    # Traced functions hold a few small constants; the weights (768 KiB here) did not move or grow.
+    assert abs(_in_use() - in_use) < 64 * 1024
+
+
 def test_budget_the_planner_cannot_reach_even_as_predicted():
     mlp = MLP()
     plain, resident = mlp.plain_plan()
