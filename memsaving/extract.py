@@ -10,8 +10,8 @@ as the safe default.
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Dict, List, Optional, Sequence, Set
+from dataclasses import dataclass, replace
+from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -20,9 +20,10 @@ from memsaving.forward import ForwardGraph, _topological, is_copyable, is_traina
 from memsaving.graph import GraphModel, OpInfo, ProfileSummary, TensorInfo
 
 EXTERNAL_OPS = frozenset({"Placeholder", "Const", "VarHandleOp", "NoOp"})
-ALIASING_OPS = frozenset({"ReadVariableOp", "Identity", "Snapshot", "StopGradient", "Reshape",
+ALIASING_OPS = frozenset({"ReadVariableOp", "Identity", "IdentityN", "Snapshot", "StopGradient", "Reshape",
                           "ExpandDims", "Squeeze"})
-"""Ops whose output shares its input's buffer (no new memory)."""
+"""Ops whose output shares its input's buffer (no new memory); IdentityN's
+k-th output shares its k-th input's."""
 
 GRAD_READS_OUTPUTS = frozenset({
     "Relu", "Relu6", "Elu", "Selu", "Tanh", "Sigmoid", "Exp", "Sqrt", "Rsqrt",
@@ -38,7 +39,7 @@ GRAD_READS_NOTHING = frozenset({
     "Add", "AddV2", "Sub", "BiasAdd", "Sum", "Mean", "Reshape", "Identity", "Neg",
     "AddN", "ConcatV2", "Split", "SplitV", "Unpack", "Pack", "Transpose", "ExpandDims",
     "Squeeze", "StopGradient", "Cast", "StridedSlice", "Slice", "Pad", "ReadVariableOp",
-    "Snapshot", "Shape",
+    "Snapshot", "Shape", "IdentityN",
 })
 GRAD_READS_CONDITION = frozenset({"SelectV2"})
 """Ops whose gradient routes the incoming gradient by their first input (a
@@ -99,6 +100,122 @@ def op_flops(op: tf.Operation, batch_size: int = 1) -> float:
     return float(out)
 
 
+@dataclass(frozen=True)
+class CustomGradient:
+    """What the gradient of a ``tf.custom_gradient`` op does, found by tracing it.
+
+    ``tf.custom_gradient`` (``tf.nn.silu``, Keras' swish) wraps its results
+    and arguments in an IdentityN whose gradient is a Python closure.  The
+    closure reads whatever forward tensors it captured, not the IdentityN's
+    inputs or outputs (silu's reads its argument and recomputes the
+    sigmoid), and returns None for the results, so the ops that computed
+    them are never differentiated.
+
+    Attributes:
+      reads: the tensors of the op's graph the gradient reads.
+      stopped: positions of the inputs it returns no gradient for.
+      temp_bytes: the traced gradient's intermediates at their peak, beyond
+        its results (silu's recomputed sigmoid and products), counted with
+        the simulator's rules; IdentityN is not profiled (its gradient
+        cannot run apart from the graph it captured).
+    """
+
+    reads: Tuple[tf.Tensor, ...]
+    stopped: FrozenSet[int]
+    temp_bytes: int = 0
+
+
+def has_custom_gradient(op: tf.Operation) -> bool:
+    """An IdentityN made by ``tf.custom_gradient`` (its gradient overridden)."""
+    if op.type != "IdentityN" or not op.inputs:
+        return False
+    try:
+        return bool(op.get_attr("_gradient_op_type"))
+    except ValueError:
+        return False
+
+
+def custom_gradient(op: tf.Operation, batch_size: int = 1, wanted=lambda t: True) -> Optional[CustomGradient]:
+    """Trace the gradient of custom-gradient op ``op`` in a throw-away graph.
+
+    The tensors it captures from ``op``'s graph are what the real gradient
+    will read; nothing is added to ``op``'s graph.  None when ``op`` has no
+    custom gradient or the gradient cannot be traced alone.
+    """
+    if not has_custom_gradient(op):
+        return None
+    from tensorflow.python.framework import func_graph, ops as tf_ops  # pylint: disable=import-outside-toplevel
+
+    grad_fn = tf_ops.get_gradient_function(op)
+    if grad_fn is None:
+        return None
+    probe = func_graph.FuncGraph("memsaving_custom_gradient_probe")
+    try:
+        with probe.as_default():
+            upstream = [tf.compat.v1.placeholder(t.dtype, t.shape) for t in op.outputs]
+            results = grad_fn(op, *upstream)
+    except Exception:  # pylint: disable=broad-except  # fall back to the default rule
+        return None
+    results = list(results) if isinstance(results, (list, tuple)) else [results]
+    stopped = frozenset(k for k, g in enumerate(results) if g is None and k < len(op.inputs))
+    reads = tuple(external for external, _ in probe.captures if isinstance(external, tf.Tensor)
+                  and not isinstance(external, tf.__internal__.EagerTensor) and external.graph is op.graph)
+    used = [g for k, g in enumerate(results[:len(op.inputs)])
+            if isinstance(g, tf.Tensor) and wanted(op.inputs[k])]
+    return CustomGradient(reads, stopped, _traced_temp_bytes(used, batch_size))
+
+
+def _traced_temp_bytes(results: Sequence[tf.Tensor], batch_size: int) -> int:
+    """Peak bytes of the intermediates computing ``results`` (a traced
+    gradient), beyond the results, by the simulator's rules (a buffer dies
+    after its last reader; elementwise kernels write into dying inputs).
+    Only the ops the results depend on count: the others are pruned."""
+    from memsaving.simulate import Action, memory_replay  # pylint: disable=import-outside-toplevel
+
+    needed: Set[tf.Operation] = set()
+    stack = [g.op for g in results]
+    while stack:
+        op = stack.pop()
+        if op not in needed and op.type not in ("Placeholder", "Const"):
+            needed.add(op)
+            stack.extend(t.op for t in op.inputs)
+    actions = []
+    for op in _topological(sorted(needed, key=lambda o: o._id)):  # pylint: disable=protected-access
+        reads = [t.ref() for t in op.inputs if t.op in needed]
+        writes = [(t.ref(), 0 if op.type in ALIASING_OPS else tensor_bytes(t, batch_size)) for t in op.outputs]
+        actions.append(Action(op.name, reads, writes, forwards_buffers=op.type in FORWARDS_INPUT_OPS))
+    kept = {g.ref() for g in results}
+    _, peak = memory_replay(actions, kept)
+    return max(peak - sum(tensor_bytes(g, batch_size) for g in results), 0)
+
+
+def _stopped_tensors(ops: Sequence[tf.Operation], customs: Dict[tf.Operation, CustomGradient]) -> Set[int]:
+    """ids of the tensors no gradient reaches: every consumer among ``ops``
+    is a custom-gradient op returning None for it (a custom gradient's
+    results, which tf.gradients never differentiates)."""
+    members = set(ops)
+    stopped: Set[int] = set()
+    for op, info in customs.items():
+        for k in info.stopped:
+            t = op.inputs[k]
+            uses = [(c, i) for c in t.consumers() if c in members for i, s in enumerate(c.inputs) if s is t]
+            if all(c in customs and i in customs[c].stopped for c, i in uses):
+                stopped.add(id(t))
+    return stopped
+
+
+def _differentiated(ops: Sequence[tf.Operation], ys: Sequence[tf.Tensor], flows) -> Set[tf.Operation]:
+    """The ops whose gradient runs: an output receives a gradient from ``ys``
+    (``flows(t)``: gradients flow through tensor ``t``)."""
+    receiving = {id(y) for y in ys if flows(y)}
+    found = set()
+    for op in reversed(ops):
+        if any(id(t) in receiving for t in op.outputs):
+            found.add(op)
+            receiving.update(id(t) for t in op.inputs if flows(t))
+    return found
+
+
 def _grad_reads(op: tf.Operation) -> List[tf.Tensor]:
     if op.type in GRAD_READS_NOTHING:
         return []
@@ -139,6 +256,14 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
         stack.extend(t.op for t in op.inputs)
         stack.extend(op.control_inputs)
     ops = _topological(sorted(ancestors, key=lambda o: o._id))  # pylint: disable=protected-access
+    customs = {op: info for op in ops if fwd.contains_op(op)
+               for info in [custom_gradient(op, batch_size, fwd.contains_tensor)] if info is not None}
+    stopped = _stopped_tensors(ops, customs)
+
+    def flows(t: tf.Tensor) -> bool:
+        return is_trainable(t) and id(t) not in stopped
+
+    differentiated = _differentiated([op for op in ops if fwd.contains_op(op)], fwd.ys, flows)
 
     ids: Dict[int, int] = {}
     tensors: Dict[int, TensorInfo] = {}
@@ -159,7 +284,7 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
                 if t.dtype == tf.resource:
                     value_bytes = _external_bytes(t, batch_size)
             constant = producer < 0 and (t.op.type in ("Const", "VarHandleOp") or t.dtype == tf.resource)
-            tensors[ids[key]] = TensorInfo(t.name, nbytes, producer, is_trainable(t), constant, value_bytes)
+            tensors[ids[key]] = TensorInfo(t.name, nbytes, producer, flows(t), constant, value_bytes)
             if t.dtype == tf.variant:
                 variants.add(ids[key])
         return ids[key]
@@ -176,13 +301,17 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
         inputs = tuple(tensor_id(t, position.get(t.op, -1)) for t in op.inputs)
         outputs = tuple(tensor_id(t, i) for t in op.outputs)
         forward = fwd.contains_op(op)
-        # only the forward ops are differentiated: the others' gradients never run
-        reads = tuple(ids[id(t)] for t in _grad_reads(op)) if forward else ()
+        # only ops a gradient reaches are differentiated: the others' gradients never run
+        reads = ()
+        if op in differentiated:
+            read = customs[op].reads if op in customs else _grad_reads(op)
+            reads = tuple(dict.fromkeys(ids[id(t)] for t in read if id(t) in ids))
         info = OpInfo(
             name=op.name, type=op.type, inputs=inputs, outputs=outputs,
             forward=forward, copyable=is_copyable(op),
             grad_reads=reads, cost=op_flops(op, batch_size),
             forwards_input=op.type in FORWARDS_INPUT_OPS or op.type in ALIASING_OPS,
+            grad_temp_bytes=customs[op].temp_bytes if op in customs else 0,
         )
         if op.name in measured:
             info = _with_profile(info, measured[op.name], tensors, variants)

@@ -93,7 +93,7 @@ from scipy.sparse import coo_array
 
 from memsaving.graph import GraphModel, gradient_sinks, without_forwarding
 from memsaving.replay import Event, gradient_ops, plain_schedule, schedule_actions, simulate_schedule
-from memsaving.simulate import BACKWARD_COST_FACTOR, Action, Simulation, _replay
+from memsaving.simulate import BACKWARD_COST_FACTOR, Action, Simulation, memory_replay
 
 MAX_NODES = 250
 """Largest training graph (forward + backward nodes) :func:`solve_milp`
@@ -165,7 +165,7 @@ def _gradient_profile(model: GraphModel, keep_x_gradients: bool) -> Tuple[List[i
     The plain schedule's actions are stripped of forward buffers (which do
     not change when gradient buffers die), and each action is followed by a
     probe that reads everything the action touched: the probe delays the
-    action's frees by one step, so :func:`_replay`'s "after" value at the
+    action's frees by one step, so :func:`memory_replay`'s "after" value at the
     action is the bytes alive *during* it, and at the probe the bytes after.
     """
     actions = [a for a in schedule_actions(model, plain_schedule(model)) if not a.label.startswith("forward ")]
@@ -175,7 +175,7 @@ def _gradient_profile(model: GraphModel, keep_x_gradients: bool) -> Tuple[List[i
         writes = [(k, b) for k, b in a.writes if k[0] == "g"]
         probed += [Action(a.label, reads, writes), Action("probe", reads + [k for k, _ in writes], [])]
     pinned = {("g", x) for x in gradient_sinks(model)} if keep_x_gradients else set()
-    timeline, _ = _replay(probed, pinned)
+    timeline, _ = memory_replay(probed, pinned)
     during, after = timeline[0::2], timeline[1::2]
     # actions[0] is the seed; actions[1 + s] is backward node s
     return after[:-1], during[1:]

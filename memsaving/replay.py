@@ -5,7 +5,7 @@ order of recomputations itself.  Exact references such as the Checkmate MILP
 (:mod:`memsaving.milp`) produce a *schedule* instead, any order of forward
 computations (first runs and recomputations) and backward ops.  Replaying
 that schedule here, with the same :class:`~memsaving.simulate.Action` list
-and the same :func:`~memsaving.simulate._replay`, puts both kinds of results
+and the same :func:`~memsaving.simulate.memory_replay`, puts both kinds of results
 on one scale: a buffer lives from the action that writes it to the last
 action that reads it, and gradient contributions to a tensor with several
 consumers are summed eagerly (each contribution writes a new version and
@@ -25,8 +25,8 @@ from typing import Dict, Iterable, List, Sequence, Set, Tuple
 
 from memsaving.graph import GraphModel, gradient_sinks
 from memsaving.schedule import backward_units, kept_set, recomputes_anchor
-from memsaving.simulate import (BACKWARD_COST_FACTOR, Action, Key, Simulation, _replay, op_action, result_keys,
-                                 saved_key)
+from memsaving.simulate import (BACKWARD_COST_FACTOR, Action, Key, Simulation, memory_replay, op_action,
+                                result_keys, saved_key)
 
 Event = Tuple[str, int]
 
@@ -126,7 +126,7 @@ def simulate_schedule(model: GraphModel, events: Iterable[Event], keep_x_gradien
     """
     actions = schedule_actions(model, list(events))
     pinned = {("g", x) for x in gradient_sinks(model)} if keep_x_gradients else set()
-    timeline, peak = _replay(actions, pinned)
+    timeline, peak = memory_replay(actions, pinned)
     recompute = sum(a.cost for a in actions if a.label.startswith("recompute "))
     return Simulation(
         peak_bytes=model.resident_bytes + peak,

@@ -38,11 +38,13 @@ from __future__ import annotations
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
+from tensorflow.python.framework.ops import get_gradient_function
 from tensorflow.python.ops import default_gradient
 from tensorflow.python.util import object_identity
 
 from memsaving.aggregation import Gradient, aggregate, producing_ops
 from memsaving.order import chain_gradient_groups, gradient_groups
+from memsaving.extract import has_custom_gradient
 from memsaving.forward import ForwardGraph, is_copyable, is_trainable
 from memsaving.schedule import recomputes_anchor
 
@@ -218,8 +220,38 @@ class BackwardBuilder:
             if not any(t.op in copies for t in original.inputs):
                 control.extend(wait_for)
             copies[original] = copy_op(original, inputs, control, prefix)
+            if has_custom_gradient(original):
+                copies[original]._gradient_function = self._reading_copies(  # pylint: disable=protected-access
+                    get_gradient_function(original), copies)
         self.recomputed_ops += len(ops)
         return copies
+
+    def _reading_copies(self, grad_fn: Callable, copies: dict) -> Callable:
+        """``grad_fn`` (a ``tf.custom_gradient`` closure) made to read the
+        recomputed copies instead of the forward tensors it captured.
+
+        The closure reads the forward tensors it was built with (silu reads
+        its argument), not the op it differentiates: left alone, the
+        gradient of a copy keeps the original activations alive through the
+        whole forward pass, which is what recomputing was meant to free.
+        The copies hold the same values, so the gradients do not change."""
+        def copied(t):
+            if isinstance(t, tf.Tensor) and t.op in copies:
+                return copies[t.op].outputs[t.value_index]
+            return self.sources.get(t, t) if isinstance(t, tf.Tensor) else t
+
+        def gradient(op, *grads):
+            graph = op.graph
+            before = len(graph.get_operations())
+            results = grad_fn(op, *grads)
+            for made in graph.get_operations()[before:]:
+                for index, value in enumerate(made.inputs):
+                    target = copied(value)
+                    if target is not value:
+                        made._update_input(index, target)  # pylint: disable=protected-access
+            return [copied(g) for g in results] if isinstance(results, (list, tuple)) else copied(results)
+
+        return gradient
 
     def advance(self, op: tf.Operation, ops: Sequence[tf.Operation]) -> None:
         """Rebuild the inner checkpoints of ``op``'s segment (multi-level)."""

@@ -188,7 +188,7 @@ def simulate(
             actions = add_swaps(actions, model, swapped, len(model.ops), cost)
             unit_ends = _shifted(unit_ends, actions)
         step_seconds, timed_peak, _ = timed_replay(actions, cost, pinned)
-    timeline, peak = _replay(actions, pinned)
+    timeline, peak = memory_replay(actions, pinned)
     if swapped:
         peak = timed_peak
     forward_cost = sum(op.cost for op in model.ops)
@@ -315,10 +315,11 @@ def _view_bases(model: GraphModel) -> Dict[int, int]:
     for op in model.ops:
         if not op.inputs:
             continue
-        source = op.inputs[0]
-        if model.tensors[source].producer < 0:
-            continue  # a variable read or a view of an input: resident anyway
-        for t in op.outputs:
+        for k, t in enumerate(op.outputs):
+            # IdentityN: the k-th output views the k-th input; other views their first input
+            source = op.inputs[k] if len(op.inputs) == len(op.outputs) else op.inputs[0]
+            if model.tensors[source].producer < 0:
+                continue  # a variable read or a view of an input: resident anyway
             info = model.tensors[t]
             if info.nbytes == 0 and info.value_bytes is not None:
                 base[t] = base.get(source, source)
@@ -363,7 +364,7 @@ def consumed_at_once(key: Key, action: Action, i: int, last_read: Dict[Key, int]
     return key in action.results and key not in pinned and last_read.get(key, i) <= i
 
 
-def _replay(actions: List[Action], pinned: Set[Key]) -> Tuple[List[int], int]:
+def memory_replay(actions: List[Action], pinned: Set[Key]) -> Tuple[List[int], int]:
     """Bytes in use after each action and the peak during any action.
 
     A buffer is freed after the last action that reads it (right after it is

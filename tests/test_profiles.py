@@ -21,7 +21,7 @@ import keras
 from memsaving import models, profiles
 from memsaving.graph import GraphModel, OpInfo, TensorInfo, chain_model
 from memsaving.replay import plain_schedule, simulate_schedule
-from memsaving.simulate import _actions, _replay, simulate
+from memsaving.simulate import _actions, memory_replay, simulate
 from memsaving.schedule import backward_units, kept_set
 from memsaving.swap import CostModel, timed_replay
 
@@ -95,7 +95,7 @@ def test_every_replay_applies_the_same_rule():
     assert simulate_schedule(model, plain_schedule(model)).peak_bytes == expected
     units = backward_units(model, kept_set(model, []))
     actions, _ = _actions(model, kept_set(model, []), units)
-    assert _replay(actions, set())[1] + model.resident_bytes == expected
+    assert memory_replay(actions, set())[1] + model.resident_bytes == expected
     assert timed_replay(actions, CostModel())[1] + model.resident_bytes == expected
 
 

@@ -2,7 +2,7 @@
 
 from memsaving.graph import GraphModel, OpInfo, TensorInfo, chain_model
 from memsaving.schedule import backward_units, kept_set
-from memsaving.simulate import _actions, _replay, simulate
+from memsaving.simulate import _actions, memory_replay, simulate
 from memsaving.swap import CostModel, swappable, timed_replay
 
 
@@ -21,7 +21,7 @@ def test_timed_replay_without_swaps_matches_the_order_replay():
     kept = kept_set(model, [9, 19, 29])
     actions, _ = _actions(model, kept, backward_units(model, kept))
     seconds, peak, _ = timed_replay(actions, CostModel())
-    assert peak == _replay(actions, set())[1]
+    assert peak == memory_replay(actions, set())[1]
     assert abs(seconds - sum(a.cost for a in actions) / CostModel().flops_per_second) < 1e-12
 
 

@@ -1,0 +1,110 @@
+"""``tf.custom_gradient`` ops (Keras' silu/swish): predicted and measured peaks.
+
+``tf.nn.silu`` wraps ``x * sigmoid(x)`` and its argument in an IdentityN
+whose gradient is a Python closure reading the ORIGINAL ``x`` (it recomputes
+the sigmoid).  Two fixes are guarded here, on 8 ``Dense(256, "silu")``
+layers, batch 512 (0.5 MiB per activation):
+
+* the graph model (:func:`memsaving.extract.custom_gradient`): the IdentityN's
+  outputs are views, its gradient reads what the closure captured, and the
+  ops computing ``x * sigmoid(x)`` are never differentiated.  Before, the
+  model held five activations per layer instead of two: plain predicted
+  24.0 MiB against 12.8 measured (absolute peaks).
+* the rewrite (``BackwardBuilder._reading_copies``): a recomputed segment's
+  custom gradient reads the recomputed copies.  Before, it read the forward
+  tensors, which stayed alive through the whole forward pass, so memory mode
+  measured 12.5 MiB, no saving over plain's 12.8.
+
+Figures are peak increases over the memory in use before the step
+(``measure_peak_increase``) against ``predicted - resident_bytes``, the
+smallest of two runs after a warm-up.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsaving
+
+BATCH = 512
+LAYERS = 8
+RUNS = 2
+
+
+def _stack() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((256,))] + [keras.layers.Dense(256, activation="silu")
+                                                      for _ in range(LAYERS)])
+
+
+def _step(model: keras.Model, mode: str, captured: dict):
+    """One training step; the weight gradients are reduced inside it."""
+
+    @tf.function
+    def step(x):
+        loss = tf.reduce_mean(tf.square(model(x, training=True)))
+        weights = model.trainable_variables
+        if mode == "plain":
+            captured["plan"] = memsaving.plan(loss, weights, checkpoints=[], batch_size=BATCH)
+            grads = tf.gradients(loss, weights)
+        else:
+            grads, captured["plan"] = memsaving.gradients_and_plan(loss, weights, checkpoints="memory",
+                                                                   batch_size=BATCH)
+        return tf.add_n([tf.reduce_sum(g) for g in grads])
+
+    return step
+
+
+def _gradients(model: keras.Model, x: tf.Tensor, memory: bool) -> list:
+    @tf.function
+    def grads(x):
+        loss = tf.reduce_mean(tf.square(model(x, training=True)))
+        if memory:
+            return memsaving.gradients(loss, model.trainable_variables, checkpoints="memory", batch_size=BATCH)
+        return tf.gradients(loss, model.trainable_variables)
+
+    return [g.numpy() for g in grads(x)]
+
+
+@pytest.fixture(scope="module")
+def silu_stack():
+    """Measured and predicted peak increases (bytes) of plain and memory mode."""
+    model = _stack()
+    x = tf.random.stateless_normal([BATCH, 256], seed=(1, 2))
+    figures = {}
+    for mode in ("plain", "memory"):
+        captured: dict = {}
+        step = _step(model, mode, captured)
+        step(x)
+        measured = min(memsaving.measure_peak_increase(step, x) for _ in range(RUNS))
+        plan = captured["plan"]
+        predicted = (plan.plain_peak if mode == "plain" else plan.predicted_peak) - plan.resident_bytes
+        figures[mode] = (measured, predicted)
+    return model, x, figures
+
+
+def test_silu_memory_mode_gradients_equal(silu_stack):
+    model, x, _ = silu_stack
+    for got, want in zip(_gradients(model, x, True), _gradients(model, x, False)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_silu_plain_prediction_within_10_percent(silu_stack):
+    measured, predicted = silu_stack[2]["plain"]
+    assert abs(predicted - measured) <= 0.10 * measured, (measured / 2**20, predicted / 2**20)
+
+
+def test_silu_memory_mode_frees_the_forward_activations(silu_stack):
+    plain, _ = silu_stack[2]["plain"]
+    memory, _ = silu_stack[2]["memory"]
+    assert memory <= 0.75 * plain, (plain / 2**20, memory / 2**20)
+
+
+@pytest.mark.xfail(strict=True, reason="memory mode under-predicts (unexplained: "
+                                       "5.75 measured vs 3.5 predicted with one inter-op thread)")
+def test_silu_memory_prediction_within_10_percent(silu_stack):
+    measured, predicted = silu_stack[2]["memory"]
+    assert abs(predicted - measured) <= 0.10 * measured, (measured / 2**20, predicted / 2**20)
