@@ -11,14 +11,29 @@ copy only ops whose values matter for the gradients.
 from __future__ import annotations
 
 import collections
+import contextlib
 import heapq
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, List, Sequence
 
 import tensorflow as tf
 from tensorflow.python.eager import backprop_util
 
 from memsaving.errors import UnsupportedGraphError
+
+@contextlib.contextmanager
+def ops_made_in(graph: tf.Graph) -> Iterator[List[tf.Operation]]:
+    """The ops added to ``graph`` inside the ``with`` block, in creation order.
+
+    The list is filled when the block ends.  A graph only grows and lists
+    its ops in the order they were made, so the new ops are the tail of
+    ``graph.get_operations()``.
+    """
+    made: List[tf.Operation] = []
+    before = len(graph.get_operations())
+    yield made
+    made.extend(graph.get_operations()[before:])
+
 
 CONTROL_FLOW_V2_OPS = frozenset(
     {"While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase"}

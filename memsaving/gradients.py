@@ -24,7 +24,7 @@ from memsaving.checkpoints import Checkpoints, resolve_checkpoints
 from memsaving.errors import CheckpointError
 from memsaving import fit_budget as _calibration
 from memsaving.extract import graph_model
-from memsaving.forward import forward_graph
+from memsaving.forward import forward_graph, ops_made_in
 from memsaving.planning import Plan, make_plan
 from memsaving.hybrid import plan_hybrid
 from memsaving.loop_pinning import pin_loop_iterations
@@ -218,12 +218,12 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
                  for kind, anchor, names in plan_.steps]
         builder = BackwardBuilder(fwd, kept, steps, gradients_fn, passed, probe=probe,
                                   follow_order=_follow_order(kwargs.get("follow_order"), fwd, plan_))
-        created_before = len(graph.get_operations())
-        result = builder.build(ys, grad_ys, xs, unconnected == tf.UnconnectedGradients.ZERO)
-        pin_loop_iterations(graph.get_operations()[created_before:])
+        with ops_made_in(graph) as made:
+            result = builder.build(ys, grad_ys, xs, unconnected == tf.UnconnectedGradients.ZERO)
+        pin_loop_iterations(made)
         if plan_.swapped:
             by_tensor = {t.name: t for op in fwd.ops for t in op.outputs}
-            insert_swaps(graph.get_operations()[created_before:], [by_tensor[n] for n in plan_.swapped],
+            insert_swaps(made, [by_tensor[n] for n in plan_.swapped],
                          _swap_options(kwargs), kwargs.get("swap_backend"), forward=fwd.ops)
     logger.info(
         "memsaving.gradients: %d forward ops, %d checkpoints, %d segments, %d ops recomputed; "

@@ -36,6 +36,7 @@ from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2
 from tensorflow.python.eager import context
 from tensorflow.python.ops import handle_data_util, resource_variable_ops
 
+from memsaving.forward import ops_made_in
 from memsaving.loop_pinning import pin_loop_iterations
 
 logger = logging.getLogger("memsaving")
@@ -601,9 +602,9 @@ class _Measurement:
         def differentiated(values, upstream) -> Tuple[tf.Operation, list]:
             op = build(values)
             xs = [t for t in op.inputs if _is_float(t.dtype) or t.dtype == tf.resource]
-            before = len(op.graph.get_operations())
-            results = tf.gradients([op.outputs[i] for i in outputs], xs, grad_ys=list(upstream)) if xs else []
-            pin_loop_iterations(op.graph.get_operations()[before:])  # as memsaving.gradients runs them
+            with ops_made_in(op.graph) as made:
+                results = tf.gradients([op.outputs[i] for i in outputs], xs, grad_ys=list(upstream)) if xs else []
+            pin_loop_iterations(made)  # as memsaving.gradients runs them
             facts["extra"] = len(op.outputs) - n
             facts["reads"] = [i for i in range(n) if op.outputs[i].consumers()]
             facts["stateful"] = op._is_stateful  # pylint: disable=protected-access

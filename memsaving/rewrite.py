@@ -45,7 +45,7 @@ from tensorflow.python.util import object_identity
 from memsaving.aggregation import Gradient, aggregate, producing_ops
 from memsaving.order import chain_gradient_groups, gradient_groups
 from memsaving.extract import has_custom_gradient
-from memsaving.forward import ForwardGraph, is_copyable, is_trainable
+from memsaving.forward import ForwardGraph, is_copyable, is_trainable, ops_made_in
 from memsaving.schedule import recomputes_anchor
 
 GradientsFn = Callable[..., list]
@@ -241,14 +241,13 @@ class BackwardBuilder:
             return self.sources.get(t, t) if isinstance(t, tf.Tensor) else t
 
         def gradient(op, *grads):
-            graph = op.graph
-            before = len(graph.get_operations())
-            results = grad_fn(op, *grads)
-            for made in graph.get_operations()[before:]:
-                for index, value in enumerate(made.inputs):
+            with ops_made_in(op.graph) as made:
+                results = grad_fn(op, *grads)
+            for new_op in made:
+                for index, value in enumerate(new_op.inputs):
                     target = copied(value)
                     if target is not value:
-                        made._update_input(index, target)  # pylint: disable=protected-access
+                        new_op._update_input(index, target)  # pylint: disable=protected-access
             return [copied(g) for g in results] if isinstance(results, (list, tuple)) else copied(results)
 
         return gradient
@@ -295,11 +294,9 @@ class BackwardBuilder:
         also wait on ``first_wait_for``, as the unit's copies do (a kept
         anchor's gradient reads only kept tensors and would otherwise start
         while earlier units still run)."""
-        graph = ys[0].graph
-        before = len(graph.get_operations())
-        results = self.gradients_fn(ys, xs, **kwargs, **self.gradient_kwargs)
+        with ops_made_in(ys[0].graph) as made:
+            results = self.gradients_fn(ys, xs, **kwargs, **self.gradient_kwargs)
         if self.follow_order:
-            made = graph.get_operations()[before:]
             chain_gradient_groups(gradient_groups(made, list(reversed(forward_ops))), list(first_wait_for))
         return results
 
