@@ -172,21 +172,33 @@ def _traced_temp_bytes(results: Sequence[tf.Tensor], batch_size: int) -> int:
     Only the ops the results depend on count: the others are pruned."""
     from memsaving.simulate import Action, memory_replay  # pylint: disable=import-outside-toplevel
 
-    needed: Set[tf.Operation] = set()
-    stack = [g.op for g in results]
-    while stack:
-        op = stack.pop()
-        if op not in needed and op.type not in ("Placeholder", "Const"):
-            needed.add(op)
-            stack.extend(t.op for t in op.inputs)
+    ordered = _ancestors_in_order([g.op for g in results], follow_control=False)
+    needed = set(ordered)
     actions = []
-    for op in _topological(sorted(needed, key=lambda o: o._id)):  # pylint: disable=protected-access
+    for op in ordered:
         reads = [t.ref() for t in op.inputs if t.op in needed]
         writes = [(t.ref(), 0 if op.type in ALIASING_OPS else tensor_bytes(t, batch_size)) for t in op.outputs]
         actions.append(Action(op.name, reads, writes, forwards_buffers=op.type in FORWARDS_INPUT_OPS))
     kept = {g.ref() for g in results}
     _, peak = memory_replay(actions, kept)
     return max(peak - sum(tensor_bytes(g, batch_size) for g in results), 0)
+
+
+def _ancestors_in_order(roots: Sequence[tf.Operation], follow_control: bool) -> List[tf.Operation]:
+    """``roots`` and the ops they read, back to :data:`EXTERNAL_OPS` (not
+    included), in topological order; through control inputs too when
+    ``follow_control``."""
+    found: Set[tf.Operation] = set()
+    stack = list(roots)
+    while stack:
+        op = stack.pop()
+        if op in found or op.type in EXTERNAL_OPS:
+            continue
+        found.add(op)
+        stack.extend(t.op for t in op.inputs)
+        if follow_control:
+            stack.extend(op.control_inputs)
+    return _topological(sorted(found, key=lambda o: o._id))  # pylint: disable=protected-access
 
 
 def _stopped_tensors(ops: Sequence[tf.Operation], customs: Dict[tf.Operation, CustomGradient]) -> Set[int]:
@@ -246,16 +258,7 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
     """
     if profile not in PROFILE_MODES:
         raise ValueError(f"profile={profile!r}: use one of {PROFILE_MODES}")
-    ancestors = set()
-    stack = [y.op for y in fwd.ys]
-    while stack:
-        op = stack.pop()
-        if op in ancestors or op.type in EXTERNAL_OPS:
-            continue
-        ancestors.add(op)
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
-    ops = _topological(sorted(ancestors, key=lambda o: o._id))  # pylint: disable=protected-access
+    ops = _ancestors_in_order([y.op for y in fwd.ys], follow_control=True)
     customs = {op: info for op in ops if fwd.contains_op(op)
                for info in [custom_gradient(op, batch_size, fwd.contains_tensor)] if info is not None}
     stopped = _stopped_tensors(ops, customs)
