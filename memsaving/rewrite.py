@@ -296,6 +296,7 @@ class BackwardBuilder:
         while earlier units still run)."""
         with ops_made_in(ys[0].graph) as made:
             results = self.gradients_fn(ys, xs, **kwargs, **self.gradient_kwargs)
+        release_gradient_constants(made)
         if self.follow_order:
             chain_gradient_groups(gradient_groups(made, list(reversed(forward_ops))), list(first_wait_for))
         return results
@@ -417,6 +418,48 @@ def _fusable_bias_gradient(gradient, handed_on) -> bool:
     while op.type in ("Reshape", "Identity", "Cast") and op.inputs:
         op = op.inputs[0].op
     return op.type == "BiasAddGrad" and op.inputs[0] in handed_on
+
+
+def release_gradient_constants(made: Sequence[tf.Operation]) -> None:
+    """Move the wait of a gradient's constant factor to its reader, where
+    the other factor is a forward ``Mul`` (outside loops).
+
+    TensorFlow's gradient functions make constants wait on the incoming
+    gradient (``SquareGrad``'s 2.0).  When a recomputed copy leaves a forward
+    ``Mul`` with one reader, ``2 * (a * b)``, Grappler's constant folding
+    rewrites it as ``a * (2 * b)`` and the forward ``Mul`` inherits the
+    constant's wait on a backward op that itself depends on that ``Mul``: a
+    cycle.  Grappler then gives up on the whole function, which runs
+    unoptimized (no fused kernels, a different peak).  The reader keeps the
+    wait (without it, a product of forward tensors would run in the forward
+    pass and hold its buffer until the backward one); the constant itself
+    costs nothing to make early.  Only this pattern is touched: freeing every
+    gradient constant lets Grappler move other products into the forward
+    pass, which raised a BatchNorm stack's peak.  Inside a while loop the
+    wait puts the constant in the loop's frame, so it stays."""
+    made_ids = {id(o) for o in made}
+
+    def forward_product(t: tf.Tensor) -> bool:
+        source = _behind_identities(t)
+        return source.op.type == "Mul" and id(source.op) not in made_ids
+
+    for op in made:
+        if op.type != "Const" or not op.control_inputs or op._control_flow_context is not None:  # pylint: disable=protected-access
+            continue
+        readers = list({id(r): r for t in op.outputs for r in t.consumers()}.values())
+        if not any(r.type == "Mul" and any(forward_product(t) for t in r.inputs) for r in readers):
+            continue
+        waits = list(op.control_inputs)
+        for reader in readers:
+            reader._add_control_inputs([w for w in waits if w is not reader])  # pylint: disable=protected-access
+        op._remove_all_control_inputs()  # pylint: disable=protected-access
+
+
+def _behind_identities(tensor: tf.Tensor) -> tf.Tensor:
+    """The tensor an Identity/IdentityN chain forwards (Grappler bypasses them)."""
+    while tensor.op.type in ("Identity", "IdentityN"):
+        tensor = tensor.op.inputs[tensor.value_index if tensor.op.type == "IdentityN" else 0]
+    return tensor
 
 
 def copy_op(op: tf.Operation, inputs: list, control_inputs: list, prefix: str) -> tf.Operation:

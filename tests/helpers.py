@@ -120,3 +120,62 @@ def assert_gradients_equal(plain, ours, labels, context=""):
         p, o = p.numpy(), o.numpy()
         scale = max(float(np.max(np.abs(p))), 1e-3)
         np.testing.assert_allclose(o, p, rtol=1e-4, atol=1e-5 * scale, err_msg=f"{label}, {context}")
+
+
+GRAPPLER_FAILURES = ("optimizer failed", "topological sort failed", "couldn't be sorted in topological order",
+                     "function optimization failure")
+
+
+def grappler_failures(call):
+    """Run ``call()`` (a tf.function's first call, which optimizes its graph)
+    and return ``(result, lines)``: the lines Grappler printed to stderr about
+    a pass that failed.  When a pass fails on a graph (a cycle, say),
+    TensorFlow runs the function unoptimized and only logs it, so a test
+    must read the C++ log to know."""
+    import os
+    import sys
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            result = call()
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        log.seek(0)
+        text = log.read().decode(errors="replace")
+    lines = [line for line in text.splitlines() if any(key in line for key in GRAPPLER_FAILURES)]
+    return result, lines
+
+
+def in_a_fresh_process(module: str, function: str, *args, test_settings: bool = True, timeout: int = 300):
+    """``tests/<module>.py``'s ``function(*args)`` called in a new Python
+    process; returns what it returned (it must be JSON-serialisable).
+
+    A measured peak depends on what ran before it in the same process: the
+    allocator's free chunks and the executor's measured op costs are left by
+    earlier tests, and a test's figure moved by a whole activation with the
+    test run before it.  A fresh process measures what the test means.
+
+    ``test_settings`` configures TensorFlow as ``conftest`` does (one
+    inter-op thread, two logical CPUs); ``False`` keeps TensorFlow's default
+    thread pools."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r}); "
+            + ("import conftest; " if test_settings else "")
+            + f"import json, memsaving, {module}; "
+            + f"print('RESULT', json.dumps({module}.{function}(*{args!r})))")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"{module}.{function}{args} failed in its process:\n{done.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULT "):])

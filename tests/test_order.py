@@ -9,16 +9,12 @@ order the executor picks by itself holds each tower's weight gradients and
 the activations they read until the end of a unit, above the prediction.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import memsaving
+from helpers import in_a_fresh_process
 from memsaving import models
 from memsaving.order import METADATA, NEVER_WAITS, chain_gradient_groups, gradient_groups
 
@@ -183,17 +179,6 @@ def two_tower_figures(follow_order: bool, runs: int = 5) -> dict:
     return {"predicted": (plan.predicted_peak - plan.resident_bytes) / MIB, "measured": peaks}
 
 
-def _in_a_process_with_default_threads(follow_order: bool) -> dict:
-    code = ("import sys; sys.path.insert(0, %r); import memsaving, json; import test_order; "
-            "print('FIGURES', json.dumps(test_order.two_tower_figures(%r)))") % (os.path.dirname(__file__),
-                                                                                 follow_order)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    line = [l for l in done.stdout.splitlines() if l.startswith("FIGURES")]
-    assert line, done.stderr[-2000:]
-    return json.loads(line[0][len("FIGURES"):])
-
-
 def test_measured_peak_follows_the_prediction_with_default_threads():
     """Default thread pools: the step's own memory (peak above what was in
     use before it, against the predicted peak above the resident bytes)
@@ -202,7 +187,7 @@ def test_measured_peak_follows_the_prediction_with_default_threads():
     Measured on 2 cores, a process per setting: 4.76 MiB in every run
     against 4.50 predicted; with ``two_tower_figures(False)``, 5.50-5.76 MiB
     (22-28% above)."""
-    figures = _in_a_process_with_default_threads(True)
+    figures = in_a_fresh_process("test_order", "two_tower_figures", True, test_settings=False)
     measured, predicted = figures["measured"], figures["predicted"]
     print(f"\ntwo towers, memory mode, default threads: predicted {predicted:.2f} MiB, measured "
           f"{min(measured):.2f}-{max(measured):.2f} MiB")

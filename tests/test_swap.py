@@ -7,7 +7,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 import memsaving
-from helpers import assert_close, run_session, run_tf_function
+from helpers import assert_close, in_a_fresh_process, run_session, run_tf_function
 from memsaving.swap_rewrite import HostStoreBackend
 from model_zoo import ALL_MODELS
 
@@ -136,7 +136,10 @@ def test_swap_ins_run_after_their_trigger_and_before_their_consumer(trigger):
     assert checked >= len(swap_ins) // 2
 
 
-def test_host_store_backend_lowers_measured_peak_as_predicted():
+def host_store_figures() -> dict:
+    """Measured peak increases of a 32-layer MLP step, plain and swapping
+    every activation to a :class:`HostStoreBackend`, and the swap plan's
+    predicted increase (MiB)."""
     ws, loss = _mlp(depth=32, width=128)
     backend = HostStoreBackend()
     captured = {}
@@ -157,16 +160,23 @@ def test_host_store_backend_lowers_measured_peak_as_predicted():
     plain, swapping = step(False), step(True)
     plain(x)
     swapping(x)
-    measured_plain = memsaving.measure_peak_increase(plain, x)
-    measured_swap = memsaving.measure_peak_increase(swapping, x)
-    predicted = captured[True].predicted_peak - captured[True].resident_bytes
-    print(f"plain {measured_plain / 2**20:.2f} MiB, swapped {measured_swap / 2**20:.2f} MiB "
-          f"(predicted {predicted / 2**20:.2f} MiB)")
-    assert measured_swap <= 0.5 * measured_plain
+    return {"plain": memsaving.measure_peak_increase(plain, x) / 2**20,
+            "swapped": memsaving.measure_peak_increase(swapping, x) / 2**20,
+            "predicted": (captured[True].predicted_peak - captured[True].resident_bytes) / 2**20}
+
+
+def test_host_store_backend_lowers_measured_peak_as_predicted():
+    """In a process of its own: run after some other tests in one process,
+    the swapped step measured one activation below or above (0.50 or 0.93
+    MiB against 0.76 alone)."""
+    figures = in_a_fresh_process("test_swap", "host_store_figures")
+    print(f"plain {figures['plain']:.2f} MiB, swapped {figures['swapped']:.2f} MiB "
+          f"(predicted {figures['predicted']:.2f} MiB)")
+    assert figures["swapped"] <= 0.5 * figures["plain"]
     # At the peak the step holds a swapped-in activation, the loss gradient
     # and one gradient of h * h (the other is written into the loss
     # gradient's buffer: elementwise kernels forward dying inputs).
-    assert abs(measured_swap - predicted) <= 0.15 * predicted
+    assert abs(figures["swapped"] - figures["predicted"]) <= 0.15 * figures["predicted"]
 
 
 def test_bad_swap_arguments():
