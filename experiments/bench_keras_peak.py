@@ -4,11 +4,13 @@ For each model (keras.applications, weights=None) the gradient of a scalar
 loss with respect to all trainable variables is computed in a tf.function,
 reduced to a scalar inside the function (so returned weight gradients do not
 hide activation memory), with tf.gradients and with memsaving in "memory"
-and "speed" modes.  Peaks are read from the CPU BFC allocator (one inter-op
-thread); memory in use before the step (the variables) is subtracted.  The
+and "speed" modes.  Peaks are read from the CPU BFC allocator, with
+TensorFlow's default thread pools unless ``--inter-op-threads`` says
+otherwise; memory in use before the step (the variables) is subtracted.  The
 plan's predicted peak is printed beside the measured one.
 
     python -m experiments.bench_keras_peak [--models resnet50,mobilenet,vgg16] [--batch 16] [--size 64]
+                                           [--inter-op-threads N]
 """
 
 from __future__ import annotations
@@ -57,11 +59,14 @@ def main(argv=None) -> None:
     parser.add_argument("--models", default="resnet50,mobilenet,vgg16")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--inter-op-threads", type=int, default=None,
+                        help="TensorFlow's inter-op threads (default: TensorFlow's own choice, as users run)")
     args = parser.parse_args(argv)
-    try:
-        tf.config.threading.set_inter_op_parallelism_threads(1)
-    except RuntimeError:
-        pass
+    if args.inter_op_threads is not None:
+        try:
+            tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads)
+        except RuntimeError:
+            print("TensorFlow already started: --inter-op-threads ignored")
     mib = 2 ** 20
     for name in args.models.split(","):
         keras.utils.set_random_seed(0)
@@ -69,7 +74,9 @@ def main(argv=None) -> None:
         x = tf.random.normal([args.batch, args.size, args.size, 3], seed=1)
         rows = {mode: measure(model, mode, x) for mode in ("plain", "memory", "speed")}
         base_peak, _, base_time = rows["plain"]
-        print(f"\n{name}, batch {args.batch}, {args.size}x{args.size}: step peak above resident memory")
+        threads = args.inter_op_threads or "default"
+        print(f"\n{name}, batch {args.batch}, {args.size}x{args.size}, inter-op threads {threads}: "
+              "step peak above resident memory")
         print(f"{'mode':>8} {'measured MiB':>13} {'predicted MiB':>14} {'peak ratio':>11} {'step s':>8} {'time ratio':>11}")
         for mode, (peak, predicted, seconds) in rows.items():
             print(f"{mode:>8} {peak / mib:>13.1f} {predicted / mib:>14.1f} {base_peak / peak:>10.2f}x "

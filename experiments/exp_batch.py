@@ -117,7 +117,7 @@ def largest_batch(model: keras.Model, method: str, budget: int, start: int, cap:
 def run(out_dir: str, models: List[str], size: int, base_batch: int, cap: int, bisect_steps: int,
         methods=METHODS) -> Dict[str, Dict[str, Optional[int]]]:
     table = Table("largest_batch", f"Largest batch under a fixed memory budget (inputs {size}, budget = "
-                  f"1.1x the measured plain peak at batch {base_batch})",
+                  f"{SLACK}x the highest plain peak of {PLAIN_TRACES} traces at batch {base_batch})",
                   ["model", "budget MiB"] + [f"{m} batch" for m in methods] + ["best memsaving / plain"])
     results: Dict[str, Dict[str, Optional[int]]] = {}
     for name in models:

@@ -16,6 +16,12 @@
 configuration) under a minute; the full run about 20 minutes.  Results go
 to ``experiments/results/`` (``--out``); ``experiments/RESULTS.md`` shows the
 full run's.
+
+TensorFlow runs with its default thread pools, as users run it.  With one
+inter-op thread, peaks repeat to the byte, but the executor then runs the
+consumers of returned weight gradients (the step's reduction, an optimizer's
+update) only after the gradient ops it is following, so they pile up and
+the peak is not the one users get (README, "Measuring peak memory").
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import memsaving  # noqa: F401  (sets up the CPU allocator before TensorFlow starts)
-import tensorflow as tf
 
 EXPERIMENTS = ("depth", "batch", "quality", "treedecomp")
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -75,10 +80,6 @@ def main(argv: Optional[List[str]] = None) -> dict:
     unknown = sorted(set(chosen) - set(EXPERIMENTS))
     if unknown:
         parser.error(f"unknown experiments {unknown}; choose from {list(EXPERIMENTS)}")
-    try:
-        tf.config.threading.set_inter_op_parallelism_threads(1)  # repeatable peaks
-    except RuntimeError:
-        pass  # TensorFlow already started (e.g. under pytest, configured the same way)
     os.makedirs(args.out, exist_ok=True)
     print(f"experiments.run ({kind}): {', '.join(chosen)} -> {args.out}", flush=True)
     results = {}
