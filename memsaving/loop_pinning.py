@@ -50,13 +50,14 @@ def pin_loop_iterations(ops: Iterable[tf.Operation], iterations: int = GRADIENT_
     Examples
     --------
     >>> import tensorflow as tf
+    >>> from memsaving.forward import ops_made_in
     >>> g = tf.Graph()
     >>> with g.as_default():
     ...     x = tf.compat.v1.placeholder(tf.float32, [])
     ...     y = tf.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v * x), [0, x])[1]
-    ...     before = len(g.get_operations())
-    ...     dx = tf.gradients(y, x)
-    >>> pin_loop_iterations(g.get_operations()[before:])
+    ...     with ops_made_in(g) as made:
+    ...         dx = tf.gradients(y, x)
+    >>> pin_loop_iterations(made)
     1
     """
     if iterations < 1:

@@ -440,6 +440,8 @@ def release_gradient_constants(made: Sequence[tf.Operation]) -> None:
     made_ids = {id(o) for o in made}
 
     def forward_product(t: tf.Tensor) -> bool:
+        # a Mul this gradient call did not make: a forward op or its
+        # recomputed copy (or, rarely, an earlier unit's gradient op)
         source = _behind_identities(t)
         return source.op.type == "Mul" and id(source.op) not in made_ids
 

@@ -1,5 +1,11 @@
 """Running a model's gradients with tf.gradients and memsaving side by side."""
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
 import numpy as np
 import tensorflow as tf
 
@@ -132,10 +138,6 @@ def grappler_failures(call):
     a pass that failed.  When a pass fails on a graph (a cycle, say),
     TensorFlow runs the function unoptimized and only logs it, so a test
     must read the C++ log to know."""
-    import os
-    import sys
-    import tempfile
-
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile(mode="w+b") as log:
@@ -152,7 +154,8 @@ def grappler_failures(call):
     return result, lines
 
 
-def in_a_fresh_process(module: str, function: str, *args, test_settings: bool = True, timeout: int = 300):
+def in_a_fresh_process(module: str, function: str, *args, test_settings: bool = True, environment=None,
+                       timeout: int = 300):
     """``tests/<module>.py``'s ``function(*args)`` called in a new Python
     process; returns what it returned (it must be JSON-serialisable).
 
@@ -162,19 +165,16 @@ def in_a_fresh_process(module: str, function: str, *args, test_settings: bool = 
     test run before it.  A fresh process measures what the test means.
 
     ``test_settings`` configures TensorFlow as ``conftest`` does (one
-    inter-op thread, two logical CPUs); ``False`` keeps TensorFlow's default
-    thread pools."""
-    import json
-    import os
-    import subprocess
-    import sys
-
+    inter-op thread, two logical CPUs, a fresh profile cache); ``False``
+    keeps TensorFlow's default thread pools.  ``environment``: variables
+    added to the process's environment (read when TensorFlow starts, such
+    as ``TF_ENABLE_ONEDNN_OPTS``)."""
     here = os.path.dirname(os.path.abspath(__file__))
     code = (f"import sys; sys.path.insert(0, {here!r}); "
             + ("import conftest; " if test_settings else "")
             + f"import json, memsaving, {module}; "
             + f"print('RESULT', json.dumps({module}.{function}(*{args!r})))")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(environment or {}))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, f"{module}.{function}{args} failed in its process:\n{done.stderr[-3000:]}"

@@ -7,9 +7,6 @@ plain peak minus the resident bytes the model counted.
 """
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -18,6 +15,7 @@ import memsaving
 import tensorflow as tf
 import keras
 
+from helpers import in_a_fresh_process
 from memsaving import models, profiles
 from memsaving.graph import GraphModel, OpInfo, TensorInfo, chain_model
 from memsaving.replay import plain_schedule, simulate_schedule
@@ -172,32 +170,25 @@ def conv_figures() -> dict:
     return {"measured": measured, "with": with_, "without": without, "profiled": plan.profiled_signatures}
 
 
-def _conv_figures_in_a_process(tmp_path, **environment) -> dict:
-    """:func:`conv_figures` in a fresh process: the kernel library is chosen
-    when TensorFlow starts, and a long test process holds kernel caches
-    (oneDNN primitives) that add to a small step's peak."""
-    env = dict(os.environ, MEMSAVING_CACHE_DIR=str(tmp_path), TF_CPP_MIN_LOG_LEVEL="2", **environment)
-    code = ("import sys; sys.path.insert(0, %r); import memsaving, json, tensorflow as tf; "
-            "tf.config.threading.set_inter_op_parallelism_threads(1); import test_profiles; "
-            "print('FIGURES', json.dumps(test_profiles.conv_figures()))") % os.path.dirname(__file__)
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    line = [l for l in done.stdout.splitlines() if l.startswith("FIGURES")]
-    assert line, done.stderr[-2000:]
-    return json.loads(line[0][len("FIGURES"):])
+def _conv_figures_in_a_process(**environment) -> dict:
+    """:func:`conv_figures` in a fresh process (fresh profile cache too): the
+    kernel library is chosen when TensorFlow starts, and a long test process
+    holds kernel caches (oneDNN primitives) that add to a small step's peak."""
+    return in_a_fresh_process("test_profiles", "conv_figures", environment=environment)
 
 
-def test_single_conv2d_step(tmp_path):
+def test_single_conv2d_step():
     """TensorFlow's default kernels (oneDNN on x86): little work memory."""
-    figures = _conv_figures_in_a_process(tmp_path)
+    figures = _conv_figures_in_a_process()
     _report("Conv2D", figures["measured"], figures["with"], figures["without"])
     assert abs(figures["with"] - figures["measured"]) <= TOLERANCE * figures["measured"]
 
 
-def test_conv2d_work_buffer_with_eigen_kernels(tmp_path):
+def test_conv2d_work_buffer_with_eigen_kernels():
     """With TensorFlow's Eigen kernels (oneDNN off) a Conv2D step holds a
     work buffer of about 32 MiB whatever the tensor sizes: far off without
     profiles, counted with them."""
-    figures = _conv_figures_in_a_process(tmp_path, TF_ENABLE_ONEDNN_OPTS="0")
+    figures = _conv_figures_in_a_process(TF_ENABLE_ONEDNN_OPTS="0")
     _report("Conv2D, Eigen kernels", figures["measured"], figures["with"], figures["without"])
     assert figures["without"] < 0.5 * figures["measured"]  # blind to the work buffer
     assert abs(figures["with"] - figures["measured"]) <= TOLERANCE * figures["measured"]
