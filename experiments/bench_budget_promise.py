@@ -575,7 +575,7 @@ def summarize(results: List[ModelResult], skipped: List[str]) -> Tuple[List[str]
             + (f"{m[5]:.1f} / {m[7]:.1f} ({m[10]:+.1%})" if m[10] is not None else "error")
             + f" | {len(ok)}/{len(budget_rows)} | {sum(row[4] == 'fits' for row in ok)}/{len(ok)} | "
             f"{_f(worst, '.3f')} | {', '.join(f'{v:.3f}' for v in sp) or '-'} | {_f(ms, '.3f')} | "
-            + (_calibrated_cells(ok) if calibrated else "") + f"{r.seconds:.0f} |")
+            + (_calibrated_cells(ok) if calibrated else "") + f"{_f(r.seconds or None, '.0f')} |")
     lines = []
     n = len(feasible)
     lines.append(f"- feasible budget cases: {n} of "
@@ -628,6 +628,16 @@ def _calibrated_cells(ok: List[list]) -> str:
             f"{_f(max(at, default=None), '.3f')} | ")
 
 
+def lowest_measured(result: ModelResult) -> float:
+    """The lowest measured peak (MiB; each step's largest repeat) of any
+    checkpointed step of a model's sweep: memory mode, the budget plans, the
+    steps fit_to_budget returned.  A budget below it is one no plan tried
+    met, whatever the planner predicted."""
+    peaks = [row[5] for row in result.rows if row[1] != "plain" and row[5] is not None]
+    peaks += [row[16] for row in result.rows if len(row) > 16 and row[16] is not None]
+    return min(peaks, default=float("inf"))
+
+
 def _calibrated_lines(feasible: List[tuple], results: List[ModelResult]) -> List[str]:
     """Overall lines for the calibrated columns (``feasible``: (model, row) of every feasible budget case)."""
     n = len(feasible)
@@ -639,15 +649,24 @@ def _calibrated_lines(feasible: List[tuple], results: List[ModelResult]) -> List
     for _, row in returned:
         rounds[row[14]] = rounds.get(row[14], 0) + 1
     seconds = sum(r.cal_seconds for r in results)
+    lowest = {r.name: lowest_measured(r) for r in results}
     lines = [f"- calibrated feasible cases (memsaving.fit_to_budget, max_rounds=4): {n}; returned a step in "
              f"{len(returned)} (rounds used: "
              + (", ".join(f"{k} round{'s' if k != 1 else ''} x{v}" for k, v in sorted(rounds.items())) or "-")
              + f"), BudgetError in {len(raised)}" + (f", other errors in {failed} (see Failures)" if failed else "")
-             + f"; {seconds:.0f} s in fit_to_budget and its measurement"]
+             + (f"; {seconds:.0f} s in fit_to_budget and its measurement" if seconds else "")]
     if n:
         lines.append(f"- calibrated measured <= budget: {len(fits)} of {n} feasible cases ({len(fits) / n:.0%}); "
                      + (f"{len(fits)} of the {len(returned)} steps fit_to_budget returned "
                         f"({len(fits) / len(returned):.0%})" if returned else "no step returned"))
+    below = [(name, row) for name, row in feasible if row[3] < lowest[name]]
+    if n and below:
+        kept = [(name, row) for name, row in feasible if row[3] >= lowest[name]]
+        kept_fits = sum(row[13] == "fits" for _, row in kept)
+        lines.append(f"- feasible as measured (budget >= the lowest peak any step of the model measured): "
+                     f"{len(kept)} of {n} cases; calibrated measured <= budget in {kept_fits} of them"
+                     + (f" ({kept_fits / len(kept):.0%})" if kept else "") + "; below every measured step: "
+                     + ", ".join(f"{name} at {row[2]:.2f} ({row[13]})" for name, row in below))
     if returned:
         worst_name, worst_row = max(returned, key=lambda item: item[1][18])
         own = max(row[15] / row[3] for _, row in returned)
@@ -765,6 +784,35 @@ def run_isolated(name: str, args, fractions) -> Tuple[Optional[ModelResult], Opt
     return ModelResult(**data), None
 
 
+def read_csv(path: str) -> List[ModelResult]:
+    """The models' rows of a sweep's CSV (as :func:`write` wrote them), to
+    summarize again without measuring; descriptions and times are not in
+    the CSV."""
+    with open(path, newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader)
+        results: Dict[str, ModelResult] = {}
+        for values in reader:
+            row = []
+            for k, v in enumerate(values):
+                if v == "":
+                    row.append(None)
+                elif k in (3, 5, 6, 7, 11) + CAL_MIB:
+                    row.append(int(v) / MIB)
+                elif k in (14, 22):
+                    row.append(int(v))
+                else:
+                    try:
+                        row.append(float(v))
+                    except ValueError:
+                        row.append(v)
+            name = row[0]
+            if name not in results:
+                results[name] = ModelResult(name, "(read from a CSV)", 0, calibrated=len(header) > len(COLUMNS))
+            results[name].rows.append(row + NO_CAL[len(row) - len(COLUMNS):])
+    return list(results.values())
+
+
 def main(argv: Optional[List[str]] = None) -> List[ModelResult]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {list(MODELS)}")
@@ -776,6 +824,8 @@ def main(argv: Optional[List[str]] = None) -> List[ModelResult]:
     parser.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
                         help="also build each feasible budget step with memsaving.fit_to_budget and measure it "
                              "(the cal columns; default on, --no-calibrate for the planner's promise alone)")
+    parser.add_argument("--summarize", metavar="CSV",
+                        help="print the summary of an earlier sweep's budget_promise.csv; measures nothing")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: sweep one model in this process
     parser.add_argument("--result", help=argparse.SUPPRESS)  # internal: where the worker writes its JSON
     args = parser.parse_args(argv)
@@ -789,6 +839,10 @@ def main(argv: Optional[List[str]] = None) -> List[ModelResult]:
         fractions = list(QUICK_FRACTIONS if args.quick else FRACTIONS)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    if args.summarize:
+        summary_table, summary_lines = summarize(read_csv(args.summarize), [])
+        print("\n".join(summary_table + [""] + summary_lines))
+        return []
     if args.worker:
         run_worker(args.worker, args.quick, fractions, args.repeat, args.result, args.calibrate)
         return []
