@@ -243,8 +243,54 @@ def _grad_reads(op: tf.Operation) -> List[tf.Tensor]:
 PROFILE_MODES = ("off", "cached", "measure")
 
 
+FOLDED_GRADIENT_OPS = frozenset({
+    "Mean", "Sum", "Reshape", "Identity", "Snapshot", "ExpandDims", "Squeeze", "AddV2", "Add", "Sub", "Neg",
+    "Cast", "AddN",
+})
+"""Ops whose gradient is a fixed linear map of the incoming gradient, read
+from no tensor of the step (shapes aside): a constant incoming gradient
+gives constant input gradients, which Grappler's constant folding computes
+once."""
+MAX_FOLDED_BYTES = 10 * 2 ** 20
+"""Grappler's constant folding makes no constant larger than 10 MiB."""
+
+
+def _folded_gradients(ops: Sequence[tf.Operation], differentiated: Set[tf.Operation], ys: Sequence[tf.Tensor],
+                      needs_gradient) -> Set[int]:
+    """ids of the tensors whose gradient Grappler folds into a constant.
+
+    ``tf.gradients`` seeds each of ``ys`` with ones; through ops of
+    :data:`FOLDED_GRADIENT_OPS` (and products with a constant) the gradient
+    stays a function of that seed and of static shapes alone, so constant
+    folding replaces it with a Const node whose tensor the function keeps
+    for its lifetime: a mean-squared loss's gradient with respect to the
+    squares is a constant of their size.  Only fully defined shapes of at
+    most :data:`MAX_FOLDED_BYTES` are folded."""
+    seeded = {id(y) for y in ys}
+    contributed: Set[int] = set()
+    varying: Set[int] = set()
+
+    def constant(t: tf.Tensor) -> bool:
+        return (id(t) in seeded or id(t) in contributed) and id(t) not in varying
+
+    for op in reversed(ops):
+        if op not in differentiated:
+            continue
+        outputs = [t for t in op.outputs if id(t) in seeded or id(t) in contributed or id(t) in varying]
+        passes = op.type in FOLDED_GRADIENT_OPS or (
+            op.type in ("Mul", "RealDiv") and len(op.inputs) == 2
+            and any(tf.get_static_value(t) is not None for t in op.inputs))
+        folded = passes and bool(outputs) and all(constant(t) for t in outputs)
+        for t in op.inputs:
+            if needs_gradient(t) and tf.get_static_value(t) is None:
+                contributed.add(id(t))
+                if not folded:
+                    varying.add(id(t))
+    return {key for key in contributed - varying}
+
+
 def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional[int] = None,
-                profile: str = "off") -> GraphModel:
+                profile: str = "off", seeded_with_ones: bool = True) -> GraphModel:
     """The neutral model of the step that computes ``fwd.ys``.
 
     Args:
@@ -255,6 +301,9 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
       profile: kernel temporaries and run times (:mod:`memsaving.profiles`):
         ``"measure"`` measures the op signatures the cache lacks,
         ``"cached"`` uses only cached profiles, ``"off"`` none.
+      seeded_with_ones: the gradient starts from ``tf.gradients``' default
+        seed (no ``grad_ys``), so gradients of it that read no data are
+        constants (:func:`_folded_gradients`).
     """
     if profile not in PROFILE_MODES:
         raise ValueError(f"profile={profile!r}: use one of {PROFILE_MODES}")
@@ -267,7 +316,15 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
         return is_trainable(t) and id(t) not in stopped
 
     differentiated = _differentiated([op for op in ops if fwd.contains_op(op)], fwd.ys, flows)
+    x_ids = {id(x) for x in fwd.xs}
 
+    def needs_gradient(t: tf.Tensor) -> bool:
+        """tf.gradients uses the gradient of ``t``: it is one of ``xs`` or
+        made by a differentiated op (the others' gradients are pruned)."""
+        return flows(t) and (id(t) in x_ids or t.op in differentiated)
+
+    # an x's gradient is a result the simulator already counts
+    folded = _folded_gradients(ops, differentiated, fwd.ys, needs_gradient) - x_ids if seeded_with_ones else set()
     ids: Dict[int, int] = {}
     tensors: Dict[int, TensorInfo] = {}
     variants: Set[int] = set()
@@ -287,7 +344,10 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
                 if t.dtype == tf.resource:
                     value_bytes = _external_bytes(t, batch_size)
             constant = producer < 0 and (t.op.type in ("Const", "VarHandleOp") or t.dtype == tf.resource)
-            tensors[ids[key]] = TensorInfo(t.name, nbytes, producer, flows(t), constant, value_bytes)
+            folds = key in folded and t.shape.is_fully_defined() and tensor_bytes(t, batch_size) <= MAX_FOLDED_BYTES
+            if folds:
+                resident += tensor_bytes(t, batch_size)
+            tensors[ids[key]] = TensorInfo(t.name, nbytes, producer, flows(t), constant, value_bytes, folds)
             if t.dtype == tf.variant:
                 variants.add(ids[key])
         return ids[key]

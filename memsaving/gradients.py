@@ -209,7 +209,7 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
     with tf.name_scope(name):
         ys, xs = _graph_tensors(ys, xs)
         grad_ys = _graph_grad_ys(grad_ys, ys)
-        fwd, plan_ = _plan(ys, xs, checkpoints, budget, kwargs)
+        fwd, plan_ = _plan(ys, xs, checkpoints, budget, kwargs, seeded_with_ones=all(g is None for g in grad_ys))
         _calibration.record_plan(plan_)  # memsaving.fit_to_budget collects the plans of the step it traces
         by_name = {op.name: op for op in fwd.ops}
         kept = {by_name[n] for n in plan_.kept_ops if n in by_name}
@@ -437,8 +437,9 @@ def _profile_mode(profile, checkpoints, budget) -> str:
                      "profile=False (do not count them) or leave it out")
 
 
-def _plan(ys, xs, checkpoints, budget, kwargs) -> tuple:
-    """Forward graph and plan shared by ``gradients`` and ``plan``."""
+def _plan(ys, xs, checkpoints, budget, kwargs, seeded_with_ones: bool = True) -> tuple:
+    """Forward graph and plan shared by ``gradients`` and ``plan``
+    (``seeded_with_ones``: no ``grad_ys`` were given)."""
     check_checkpoints_argument(checkpoints)
     stop_gradients = _as_list(kwargs.get("stop_gradients") or [])
     fwd = forward_graph(xs, ys, stop_gradients)
@@ -446,7 +447,7 @@ def _plan(ys, xs, checkpoints, budget, kwargs) -> tuple:
     # Under memsaving.fit_to_budget or a Keras calibration, plan for the budget minus the measured excess.
     planned_for = _calibration.planning_budget(budget)
     profile = _profile_mode(kwargs.get("profile"), checkpoints, budget)
-    model = graph_model(fwd, batch_size=batch_size, profile=profile)
+    model = graph_model(fwd, batch_size=batch_size, profile=profile, seeded_with_ones=seeded_with_ones)
     fwd, plan_ = _plan_for_model(fwd, model, checkpoints, planned_for, kwargs)
     if planned_for is not budget:
         plan_.budget = parse_bytes(budget)  # the budget asked for; the predicted peak fits the lower one

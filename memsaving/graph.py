@@ -27,6 +27,11 @@ class TensorInfo:
     value_bytes: Optional[int] = None
     """Bytes of the value when ``nbytes`` is 0 because the tensor shares
     another buffer (a view, a variable read, a variable handle)."""
+    folded_gradient: bool = False
+    """Its gradient is a constant the runtime computes once and keeps for
+    the life of the step function (the loss's seed passed back through
+    gradients that read no data): part of the resident memory, allocated by
+    no action."""
 
     @property
     def gradient_bytes(self) -> int:
@@ -129,6 +134,12 @@ class GraphModel:
     _consumers: Optional[Dict[int, List[int]]] = field(default=None, repr=False)
     profile: Optional[ProfileSummary] = None
     """How kernel temporaries were profiled (None: never asked)."""
+
+    @property
+    def folded_gradient_bytes(self) -> int:
+        """Bytes of the gradients folded into constants
+        (:attr:`TensorInfo.folded_gradient`), part of ``resident_bytes``."""
+        return sum(t.gradient_bytes for t in self.tensors.values() if t.folded_gradient)
 
     def consumers(self, tensor: int) -> List[int]:
         """Indices of the ops reading ``tensor``."""

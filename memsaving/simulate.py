@@ -240,7 +240,7 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List
             grad_version[t] += 1
         else:
             grad_version[t] = 0
-        writes.append((grad_key(t), tensors[t].gradient_bytes))
+        writes.append((grad_key(t), 0 if tensors[t].folded_gradient else tensors[t].gradient_bytes))
 
     seed_writes: List[Tuple[Key, int]] = []
     for y in model.ys:

@@ -26,10 +26,11 @@ def test_demo_result_is_measured():
     as the demo runs: memory mode measures well below plain (Grappler
     cancelled this saving on Keras Dense stacks before), and both measured
     peaks are near the plan's predictions."""
-    result = in_a_fresh_process("test_cli_and_measure", "demo_figures", 25, 1024, 64, test_settings=False)
+    result = in_a_fresh_process("test_cli_and_measure", "demo_figures", 16, 1024, 256, test_settings=False)
     assert result["max_relative_difference"] <= 1e-5
     assert result["peak_plain"] > 1.5 * result["peak_memsaving"]
-    assert abs(result["predicted_plain"] / result["peak_plain"] - 1) <= 0.15
+    # measured 23.3-24.3 MiB plain and 13.5-14.5 memory mode, from process to process, against 23.0 and 13.0
+    assert abs(result["predicted_plain"] / result["peak_plain"] - 1) <= 0.10
     assert abs(result["predicted_memsaving"] / result["peak_memsaving"] - 1) <= 0.15
 
 

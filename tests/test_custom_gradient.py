@@ -28,7 +28,7 @@ import pytest
 import tensorflow as tf
 
 import memsaving
-from helpers import grappler_failures
+from helpers import grappler_failures, in_a_fresh_process
 
 BATCH = 512
 LAYERS = 8
@@ -70,9 +70,9 @@ def _gradients(model: keras.Model, x: tf.Tensor, memory: bool) -> list:
     return [g.numpy() for g in grads(x)]
 
 
-@pytest.fixture(scope="module")
-def silu_stack():
-    """Measured and predicted peak increases (bytes) of plain and memory mode."""
+def silu_figures() -> dict:
+    """Measured and predicted peak increases (bytes) of plain and memory
+    mode, and the Grappler failures their first calls logged."""
     model = _stack()
     x = tf.random.stateless_normal([BATCH, 256], seed=(1, 2))
     figures = {}
@@ -84,7 +84,17 @@ def silu_stack():
         plan = captured["plan"]
         predicted = (plan.plain_peak if mode == "plain" else plan.predicted_peak) - plan.resident_bytes
         figures[mode] = (measured, predicted)
-    return model, x, figures
+    return figures
+
+
+@pytest.fixture(scope="module")
+def silu_stack():
+    """The model, an input, and :func:`silu_figures` measured in a fresh
+    process: in this one, tests run before moved memory mode's figure from
+    4.00 to 4.45 MiB."""
+    model = _stack()
+    x = tf.random.stateless_normal([BATCH, 256], seed=(1, 2))
+    return model, x, in_a_fresh_process("test_custom_gradient", "silu_figures")
 
 
 def test_silu_memory_mode_gradients_equal(silu_stack):
@@ -117,8 +127,6 @@ def test_silu_memory_mode_frees_the_forward_activations(silu_stack):
 
 def test_silu_memory_prediction_within_15_percent(silu_stack):
     """The goal is 10%, as for plain; memory mode measures 4.00 MiB against
-    3.50 predicted when this file runs alone and within 10% after other
-    tests (unexplained), so 15% guards against a regression without
-    flipping with the test order."""
+    3.50 predicted (12.5%), so 15% guards against a regression."""
     measured, predicted = silu_stack[2]["memory"]
     assert abs(predicted - measured) <= 0.15 * measured, (measured / 2**20, predicted / 2**20)
