@@ -8,7 +8,7 @@ be near the prediction and well below the lowest single-level plan's.
 import tensorflow as tf
 
 import memsaving
-from helpers import assert_close
+from helpers import assert_close, in_a_fresh_process
 
 WIDTH, BATCH, DEPTH = 64, 512, 64
 
@@ -20,7 +20,10 @@ def _mlp(x, ws):
     return tf.reduce_mean(h * h)
 
 
-def test_multilevel_plan_measured_below_every_single_level_plan():
+def multilevel_figures() -> dict:
+    """Build the plans, check the gradients, and measure; run in a fresh
+    process (after other tests in one process the multi-level step measured
+    1.21 MiB where it measures 0.96-0.98 alone)."""
     ws = [tf.Variable(tf.random.normal([WIDTH, WIDTH], stddev=WIDTH ** -0.5, seed=i)) for i in range(DEPTH)]
     plans = {}
 
@@ -62,6 +65,12 @@ def test_multilevel_plan_measured_below_every_single_level_plan():
     measured_tight = memsaving.measure_peak_increase(tight_run, x)
     measured_memory = memsaving.measure_peak_increase(memory_run, x)
     predicted = plan.predicted_peak - resident
+    return {"predicted": predicted, "measured": measured_tight, "memory": measured_memory}
+
+
+def test_multilevel_plan_measured_below_every_single_level_plan():
+    figures = in_a_fresh_process("test_multilevel", "multilevel_figures")
+    predicted, measured_tight, measured_memory = figures["predicted"], figures["measured"], figures["memory"]
     print(f"multi-level: predicted {predicted / 2**20:.2f} MiB, measured {measured_tight / 2**20:.2f} MiB; "
           f"single-level 'memory' measured {measured_memory / 2**20:.2f} MiB")
     assert measured_tight <= 1.3 * predicted
