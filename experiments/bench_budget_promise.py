@@ -331,6 +331,8 @@ OVER / BudgetError / error) and ``cal rounds at smallest`` are those of
 fit_to_budget run again at budget=smallest_budget: ``cal measured/budget``
 is then measured / smallest_budget."""
 CAL_MIB = (15, 16, 17, 19)  # row indices of the MiB columns among COLUMNS + CAL_COLUMNS
+MIB_COLUMNS = (3, 5, 6, 7, 11) + CAL_MIB
+"""Row indices of the columns held in MiB in a row and in bytes in the CSV."""
 NO_CAL = [None] * len(CAL_COLUMNS)
 
 
@@ -634,7 +636,7 @@ def lowest_measured(result: ModelResult) -> float:
     steps fit_to_budget returned.  A budget below it is one no plan tried
     met, whatever the planner predicted."""
     peaks = [row[5] for row in result.rows if row[1] != "plain" and row[5] is not None]
-    peaks += [row[16] for row in result.rows if len(row) > 16 and row[16] is not None]
+    peaks += [row[16] for row in result.rows if row[16] is not None]
     return min(peaks, default=float("inf"))
 
 
@@ -738,7 +740,7 @@ def write(results: List[ModelResult], summary_table: List[str], summary_lines: L
                             "cal_smallest_over_plain", "cal_at_smallest", "cal_rounds_at_smallest"]
                            if calibrated else []))
         for row in table.rows:
-            writer.writerow(["" if v is None else round(v * MIB) if k in (3, 5, 6, 7, 11) + CAL_MIB
+            writer.writerow(["" if v is None else round(v * MIB) if k in MIB_COLUMNS
                              else round(v, 4) if isinstance(v, float) else v for k, v in enumerate(row)])
     return [md, path]
 
@@ -797,7 +799,7 @@ def read_csv(path: str) -> List[ModelResult]:
             for k, v in enumerate(values):
                 if v == "":
                     row.append(None)
-                elif k in (3, 5, 6, 7, 11) + CAL_MIB:
+                elif k in MIB_COLUMNS:
                     row.append(int(v) / MIB)
                 elif k in (14, 22):
                     row.append(int(v))

@@ -267,16 +267,19 @@ def _folded_gradients(ops: Sequence[tf.Operation], differentiated: Set[tf.Operat
     squares is a constant of their size.  Only fully defined shapes of at
     most :data:`MAX_FOLDED_BYTES` are folded."""
     seeded = {id(y) for y in ys}
-    contributed: Set[int] = set()
-    varying: Set[int] = set()
+    contributed: Set[int] = set()  # tensors some differentiated consumer gives a gradient
+    varying: Set[int] = set()  # ... of which at least one is not a folded constant
 
     def constant(t: tf.Tensor) -> bool:
         return (id(t) in seeded or id(t) in contributed) and id(t) not in varying
 
+    def foldable(t: tf.Tensor) -> bool:
+        return t.shape.is_fully_defined() and t.shape.num_elements() * t.dtype.size <= MAX_FOLDED_BYTES
+
     for op in reversed(ops):
         if op not in differentiated:
             continue
-        outputs = [t for t in op.outputs if id(t) in seeded or id(t) in contributed or id(t) in varying]
+        outputs = [t for t in op.outputs if id(t) in seeded or id(t) in contributed]
         passes = op.type in FOLDED_GRADIENT_OPS or (
             op.type in ("Mul", "RealDiv") and len(op.inputs) == 2
             and any(tf.get_static_value(t) is not None for t in op.inputs))
@@ -284,9 +287,9 @@ def _folded_gradients(ops: Sequence[tf.Operation], differentiated: Set[tf.Operat
         for t in op.inputs:
             if needs_gradient(t) and tf.get_static_value(t) is None:
                 contributed.add(id(t))
-                if not folded:
+                if not (folded and foldable(t)):  # an unfolded gradient feeds no folding further back
                     varying.add(id(t))
-    return {key for key in contributed - varying}
+    return contributed - varying
 
 
 def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional[int] = None,
@@ -344,7 +347,7 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
                 if t.dtype == tf.resource:
                     value_bytes = _external_bytes(t, batch_size)
             constant = producer < 0 and (t.op.type in ("Const", "VarHandleOp") or t.dtype == tf.resource)
-            folds = key in folded and t.shape.is_fully_defined() and tensor_bytes(t, batch_size) <= MAX_FOLDED_BYTES
+            folds = key in folded
             if folds:
                 resident += tensor_bytes(t, batch_size)
             tensors[ids[key]] = TensorInfo(t.name, nbytes, producer, flows(t), constant, value_bytes, folds)
