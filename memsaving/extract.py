@@ -33,7 +33,7 @@ GRAD_READS_INPUTS = frozenset({
     "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D",
     "Conv3D", "DepthwiseConv2dNative", "Mul", "Square", "Sin", "Cos", "Log",
     "Softplus", "Abs", "Pow", "RealDiv", "Div", "LeakyRelu", "SquaredDifference",
-    "Maximum", "Minimum", "GatherV2", "ResourceGather",
+    "Maximum", "Minimum", "GatherV2", "ResourceGather", "Erf", "Erfc",
 })
 GRAD_READS_NOTHING = frozenset({
     "Add", "AddV2", "Sub", "BiasAdd", "Sum", "Mean", "Reshape", "Identity", "Neg",
@@ -41,6 +41,20 @@ GRAD_READS_NOTHING = frozenset({
     "Squeeze", "StopGradient", "Cast", "StridedSlice", "Slice", "Pad", "ReadVariableOp",
     "Snapshot", "Shape", "IdentityN",
 })
+GRAD_READS_BY_INPUT = {
+    **{op: ((1,), (0,)) for op in (
+        "Mul", "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
+        "Conv2D", "Conv3D", "DepthwiseConv2dNative")},
+    "RealDiv": ((1,), (0, 1)),
+    "Div": ((1,), (0, 1)),
+}
+"""Two-operand ops whose gradient with respect to input ``k`` reads only
+the inputs at ``GRAD_READS_BY_INPUT[type][k]``
+(``d(a*b)/da`` reads ``b``).  The gradient of an input that needs none (a
+constant, the data fed in, a ``StopGradient``) is built by tf.gradients but
+read by nothing, so the function runtime prunes it, and an operand only it
+reads is freed after the forward pass: Gelu's ``0.5 * x`` does not hold
+``x``, nor attention's ``scores * scale`` the scores."""
 GRAD_READS_CONDITION = frozenset({"SelectV2"})
 """Ops whose gradient routes the incoming gradient by their first input (a
 boolean mask) and reads no value (the shapes it asks for are folded to
@@ -228,9 +242,16 @@ def _differentiated(ops: Sequence[tf.Operation], ys: Sequence[tf.Tensor], flows)
     return found
 
 
-def _grad_reads(op: tf.Operation) -> List[tf.Tensor]:
-    if op.type in GRAD_READS_NOTHING:
-        return []
+def _grad_reads(op: tf.Operation, needed: Sequence[bool]) -> List[tf.Tensor]:
+    """The tensors ``op``'s gradient function reads when the gradients of the
+    inputs flagged in ``needed`` are used (the others are pruned)."""
+    by_input = GRAD_READS_BY_INPUT.get(op.type)
+    if by_input is not None and len(by_input) == len(op.inputs) == len(needed):
+        positions = sorted({p for k, used in enumerate(needed) if used for p in by_input[k]})
+        read = [op.inputs[p] for p in positions]
+        return [t for t in read if is_trainable(t) and t.dtype != tf.resource]
+    if op.type in GRAD_READS_NOTHING or _constant_power(op):
+        return []  # a constant power's gradient reads a factor made in advance: _precomputed_factor
     if op.type in GRAD_READS_CONDITION:
         return [op.inputs[0]]
     if op.type in GRAD_READS_OUTPUTS:
@@ -238,6 +259,56 @@ def _grad_reads(op: tf.Operation) -> List[tf.Tensor]:
     if op.type in GRAD_READS_INPUTS:
         return [t for t in op.inputs if is_trainable(t) and t.dtype != tf.resource]
     return [t for t in list(op.inputs) + list(op.outputs) if is_trainable(t) and t.dtype != tf.resource]
+
+
+def _reads_by_input(op: tf.Operation, needed: Sequence[bool], ids: Dict[int, int]) -> Tuple[Tuple[int, ...], ...]:
+    """Per input of ``op``, the tensor ids its own gradient kernel reads
+    (empty for an input whose gradient is not needed)."""
+    by_input = []
+    for k, used in enumerate(needed):
+        only_k = [j == k for j in range(len(needed))]
+        read = _grad_reads(op, only_k) if used else []
+        by_input.append(tuple(dict.fromkeys(ids[id(t)] for t in read if id(t) in ids)))
+    return tuple(by_input)
+
+
+def _constant_power(op: tf.Operation) -> bool:
+    """A ``Pow`` whose exponent is a constant (tanh-approximated Gelu's ``x ** 3``)."""
+    return op.type == "Pow" and len(op.inputs) == 2 and tf.get_static_value(op.inputs[1]) is not None
+
+
+def _cube(op: tf.Operation) -> bool:
+    """``x ** 3``, which Grappler's arithmetic optimizer computes as
+    ``x * square(x)``: the square is a buffer of ``x``'s size held while
+    the product runs (its forward temporary)."""
+    return _constant_power(op) and bool(np.all(tf.get_static_value(op.inputs[1]) == 3))
+
+
+def _scaled_softmax(op: tf.Operation) -> bool:
+    """A Softmax of ``scores * c`` (``c`` a constant: attention's scaling)
+    whose product nothing else reads."""
+    if op.type != "Softmax" or len(op.inputs) != 1:
+        return False
+    product = op.inputs[0].op
+    if product.type != "Mul" or len(product.inputs) != 2 or len(op.inputs[0].consumers()) != 1:
+        return False
+    return any(tf.get_static_value(t) is not None for t in product.inputs)
+
+
+def _precomputed_factor(op: tf.Operation, batch_size: int) -> int:
+    """Bytes of a factor of ``op``'s gradient made from forward tensors
+    alone, which the executor computes as soon as they exist, in the forward
+    pass or the recomputation, and holds until the gradient reaches the op.
+
+    A constant power's gradient is ``g * (c * x ** (c - 1))``; a scaled
+    softmax's gradient into the scores is ``((g - sum(g * s)) * s) * c``,
+    which Grappler's constant push-down rewrites to ``(g - sum(g * s)) *
+    (s * c)``.  Each holds one buffer of the op's size."""
+    if _constant_power(op):
+        return tensor_bytes(op.inputs[0], batch_size)
+    if _scaled_softmax(op):
+        return tensor_bytes(op.outputs[0], batch_size)
+    return 0
 
 
 PROFILE_MODES = ("off", "cached", "measure")
@@ -368,19 +439,27 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
         outputs = tuple(tensor_id(t, i) for t in op.outputs)
         forward = fwd.contains_op(op)
         # only ops a gradient reaches are differentiated: the others' gradients never run
-        reads = ()
+        reads, by_input = (), ()
         if op in differentiated:
-            read = customs[op].reads if op in customs else _grad_reads(op)
+            needed = [needs_gradient(t) for t in op.inputs]
+            read = customs[op].reads if op in customs else _grad_reads(op, needed)
             reads = tuple(dict.fromkeys(ids[id(t)] for t in read if id(t) in ids))
+            if op not in customs and op.type in GRAD_READS_BY_INPUT:
+                by_input = _reads_by_input(op, needed, ids)
         info = OpInfo(
             name=op.name, type=op.type, inputs=inputs, outputs=outputs,
             forward=forward, copyable=is_copyable(op),
-            grad_reads=reads, cost=op_flops(op, batch_size),
+            grad_reads=reads, input_grad_reads=by_input, cost=op_flops(op, batch_size),
             forwards_input=op.type in FORWARDS_INPUT_OPS or op.type in ALIASING_OPS,
             grad_temp_bytes=customs[op].temp_bytes if op in customs else 0,
         )
         if op.name in measured:
             info = _with_profile(info, measured[op.name], tensors, variants)
+        if op in differentiated and op not in customs:
+            info = replace(info, saved_bytes=info.saved_bytes + _precomputed_factor(op, batch_size))
+        if _cube(op):
+            square = tensor_bytes(op.inputs[0], batch_size)
+            info = replace(info, temp_bytes=max(info.temp_bytes, square))
         infos.append(info)
     xs = [tensor_id(x, position.get(x.op, -1)) for x in fwd.xs]
     ys = [tensor_id(y, position.get(y.op, -1)) for y in fwd.ys]
@@ -388,7 +467,14 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
     if run is not None:
         summary = ProfileSummary(profile, run.measured, run.cached, run.missing, run.seconds, len(measured))
     return GraphModel(infos, tensors, xs, ys, resident if resident_bytes is None else resident_bytes,
-                      separate_result_kernels=True, profile=summary)
+                      separate_result_kernels=True, profile=summary,
+                      ready_gradients_early=_parallel_executor())
+
+
+def _parallel_executor() -> bool:
+    """Whether TensorFlow may run several kernels at once (0: its default
+    pool, one thread per core; the tests pin it to 1)."""
+    return tf.config.threading.get_inter_op_parallelism_threads() != 1
 
 
 def _with_profile(info: OpInfo, profile, tensors: Dict[int, TensorInfo], variants: Set[int]) -> OpInfo:

@@ -48,6 +48,11 @@ class OpInfo:
       forward: gradients flow through it (it lies between xs and ys).
       copyable: recomputing it gives the same values (not stateful).
       grad_reads: the tensors (inputs or outputs) its gradient function reads.
+      input_grad_reads: for ops whose gradient with respect to each input
+        is a kernel of its own (a product's two matmuls), per input the
+        tensors that kernel reads (empty for an input whose gradient is not
+        used); empty when the gradient is taken as one kernel reading
+        ``grad_reads``.
       cost: compute cost in arbitrary units (FLOPs by default).
       forwards_input: an elementwise op: its kernel, and its gradient's
         kernels, write an output into the buffer of an input of the same
@@ -73,6 +78,7 @@ class OpInfo:
     forward: bool = True
     copyable: bool = True
     grad_reads: Tuple[int, ...] = ()
+    input_grad_reads: Tuple[Tuple[int, ...], ...] = ()
     cost: float = 1.0
     forwards_input: bool = False
     temp_bytes: int = 0
@@ -123,6 +129,11 @@ class GraphModel:
         kernels allocate (TensorFlow, see
         :func:`memsaving.simulate.consumed_at_once`); otherwise all of an
         op's gradients are held together, as Checkmate's MILP counts them.
+      ready_gradients_early: the executor runs several kernels at once (more
+        than one inter-op thread), so a recomputed segment's gradient
+        kernels that read nothing the recomputation makes run while it does
+        (:func:`memsaving.simulate.ready_gradients_first`); with one thread
+        the recomputation, queued first, runs first.
     """
 
     ops: List[OpInfo]
@@ -131,6 +142,7 @@ class GraphModel:
     ys: List[int]
     resident_bytes: int = 0
     separate_result_kernels: bool = False
+    ready_gradients_early: bool = False
     _consumers: Optional[Dict[int, List[int]]] = field(default=None, repr=False)
     profile: Optional[ProfileSummary] = None
     """How kernel temporaries were profiled (None: never asked)."""

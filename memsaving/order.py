@@ -27,7 +27,7 @@ and rewrites TensorFlow picks, and so the rounding.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence, Set
 
 import tensorflow as tf
 
@@ -79,14 +79,17 @@ def _owner(name: str, index: Dict[str, int]):
 
 
 def chain_gradient_groups(groups: Sequence[Sequence[tf.Operation]],
-                          first_wait_for: Sequence[tf.Operation] = ()) -> int:
+                          first_wait_for: Sequence[tf.Operation] = (),
+                          useful: Optional[Set[tf.Operation]] = None) -> int:
     """Make each group's first ops wait for the previous group's last ops.
 
     A group's *first* ops read nothing made inside the group (constants and
     shapes aside); its *last* ops feed nothing inside it.  The first group's
     first ops wait for ``first_wait_for``.  When a group has no last op that
     can be waited on (only bias gradients), the next group waits for what
-    this one waited for.  Returns the number of control edges added.
+    this one waited for.  With ``useful`` (:func:`feeding_results`), ops
+    outside it are never waited on.  Returns the number of control edges
+    added.
     """
     added = 0
     waited: List[tf.Operation] = list(first_wait_for)
@@ -101,11 +104,38 @@ def chain_gradient_groups(groups: Sequence[Sequence[tf.Operation]],
                     if missing:
                         op._add_control_inputs(missing)  # pylint: disable=protected-access
                         added += len(missing)
-        last = [op for op in group if op not in unwaitable
+        last = [op for op in group if op not in unwaitable and (useful is None or op in useful)
                 and not any(c in members for t in op.outputs for c in t.consumers())]
         if last:
             waited = last
     return added
+
+
+def feeding_results(made: Sequence[tf.Operation], results: Sequence) -> Set[tf.Operation]:
+    """The ops of ``made`` that the gradients ``results`` are computed from.
+
+    A gradient function makes the gradients of all its op's inputs, also of
+    those no gradient is asked for (``x * 0.5``'s gradient with respect to
+    the constant).  Nothing reads them, so the function runtime prunes them
+    and the activation only they read is freed after the forward pass.  A
+    control edge from such an op to the next group would keep it, and the
+    activation it reads, alive."""
+    members = set(made)
+    stack = []
+    for g in results:
+        if g is None:
+            continue
+        parts = [g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g]
+        stack.extend(t.op for t in parts if t.op in members)
+    found: Set[tf.Operation] = set()
+    while stack:
+        op = stack.pop()
+        if op in found:
+            continue
+        found.add(op)
+        stack.extend(t.op for t in op.inputs if t.op in members)
+        stack.extend(c for c in op.control_inputs if c in members)
+    return found
 
 
 def _after_unwaitable(ops: Sequence[tf.Operation]) -> set:

@@ -43,7 +43,7 @@ from tensorflow.python.ops import default_gradient
 from tensorflow.python.util import object_identity
 
 from memsaving.aggregation import Gradient, aggregate, producing_ops
-from memsaving.order import chain_gradient_groups, gradient_groups
+from memsaving.order import chain_gradient_groups, feeding_results, gradient_groups
 from memsaving.extract import has_custom_gradient
 from memsaving.forward import ForwardGraph, is_copyable, is_trainable, ops_made_in
 from memsaving.schedule import recomputes_anchor
@@ -298,7 +298,8 @@ class BackwardBuilder:
             results = self.gradients_fn(ys, xs, **kwargs, **self.gradient_kwargs)
         release_gradient_constants(made)
         if self.follow_order:
-            chain_gradient_groups(gradient_groups(made, list(reversed(forward_ops))), list(first_wait_for))
+            chain_gradient_groups(gradient_groups(made, list(reversed(forward_ops))), list(first_wait_for),
+                                  useful=feeding_results(made, results))
         return results
 
     def _unit_results(self, results: list, waited: bool) -> None:

@@ -47,17 +47,21 @@ class Action:
 
 
 def op_action(op: OpInfo, label: str, reads: List[Key], writes: List[Tuple[Key, int]], backward: bool = False,
-              results: Tuple[Key, ...] = ()) -> Action:
+              results: Tuple[Key, ...] = (), share: int = 1) -> Action:
     """The action running ``op`` (forward or recompute) or its gradient
     (``backward``): the one place that says what an op's kernels cost.
 
     A forward or recompute action holds the op's forward temporary and is
     timed by its forward seconds; the backward action holds the gradient's
     temporary and is timed by the gradient's seconds.  Costs stay FLOP
-    estimates (the backward ``BACKWARD_COST_FACTOR`` times the forward)."""
+    estimates (the backward ``BACKWARD_COST_FACTOR`` times the forward).
+    A gradient run as ``share`` kernels (one per input) gives each kernel
+    that share of the cost and time, and the whole temporary (the measured
+    peak of the gradient, which one of its kernels reached)."""
     if backward:
-        return Action(label, reads, writes, BACKWARD_COST_FACTOR * op.cost, forwards_buffers=op.forwards_input,
-                      results=results, temp=op.grad_temp_bytes, seconds=op.grad_seconds)
+        seconds = op.grad_seconds / share if op.grad_seconds is not None else None
+        return Action(label, reads, writes, BACKWARD_COST_FACTOR * op.cost / share,
+                      forwards_buffers=op.forwards_input, results=results, temp=op.grad_temp_bytes, seconds=seconds)
     return Action(label, reads, writes, op.cost, forwards_buffers=op.forwards_input, temp=op.temp_bytes,
                   seconds=op.seconds)
 
@@ -254,31 +258,37 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List
     def source(t: int, local: Dict[int, Key]) -> Key:
         return local.get(t) or sources.get(t) or ("f", t)
 
+    def receives_gradient(t: int) -> bool:
+        info = tensors[t]
+        return info.trainable and (t in xs or (info.producer >= 0 and model.ops[info.producer].forward))
+
     def differentiate(i: int, local: Dict[int, Key], label: str):
         op = model.ops[i]
-        reads: List[Key] = []
-        for t in op.outputs:
-            if t in grad_version:
-                reads.append(grad_key(t))
-        if not reads:
+        incoming = [grad_key(t) for t in op.outputs if t in grad_version]
+        if not incoming:
             return
-        for t in op.grad_reads:
-            reads.append(source(t, local))
+        saved = []
         if op.saved_bytes:
             key = saved_key(i)
-            reads.append(local.get(key) or sources.get(key) or key)
-        writes: List[Tuple[Key, int]] = []
-        for t in op.inputs:
-            info = tensors[t]
-            if not info.trainable:
+            saved.append(local.get(key) or sources.get(key) or key)
+        # a kernel per input gradient when the executor runs each when it is ready, else one for all
+        split = bool(op.input_grad_reads) and model.ready_gradients_early
+        kernels = [(k,) for k in range(len(op.inputs))] if split else [tuple(range(len(op.inputs)))]
+        for inputs in kernels:
+            targets = [op.inputs[k] for k in inputs if receives_gradient(op.inputs[k])]
+            if not targets:
                 continue
-            if t in xs or (info.producer >= 0 and model.ops[info.producer].forward):
+            read = op.input_grad_reads[inputs[0]] if split else op.grad_reads
+            reads: List[Key] = incoming + [source(t, local) for t in read] + saved
+            writes: List[Tuple[Key, int]] = []
+            for t in targets:
                 add_gradient(t, reads, writes)
-        actions.append(op_action(op, f"{label} {op.name}", reads, writes, backward=True,
-                                 results=result_keys(model, writes)))
+            actions.append(op_action(op, f"{label} {op.name}", reads, writes, backward=True,
+                                     results=result_keys(model, writes), share=len(kernels)))
 
     for unit in units:
         local: Dict[int, Key] = {}
+        recompute_start = len(actions)
         if unit.kind in ("segment", "advance"):
             tag = "c" if unit.kind == "segment" else "a"
             label = "recompute" if unit.kind == "segment" else "advance"
@@ -300,12 +310,45 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List
         if unit.kind == "advance":
             sources.update(local)
         else:
+            recompute_end = len(actions)
             for i in reversed(unit.ops):
                 differentiate(i, local, "backward")
+            if unit.kind == "segment" and model.ready_gradients_early:
+                actions[recompute_start:] = ready_gradients_first(actions[recompute_start:recompute_end],
+                                                                  actions[recompute_end:])
         unit_ends.append(len(actions) - 1)
     if not units or units[0].kind != "output":
         unit_ends.insert(0, len(model.ops))  # the seed: the forward pass ends there
     return _pin_view_bases(model, actions), unit_ends
+
+
+def ready_gradients_first(recompute: List[Action], backward: List[Action]) -> List[Action]:
+    """A segment's actions in the order a parallel executor runs them: the
+    gradient kernels that read nothing the recomputation makes (a Dense
+    layer's data gradient reads the incoming gradient and the weight), then
+    the recomputation, then the rest of the segment's gradient.
+
+    Those kernels are ready when the segment's incoming gradient is, as the
+    recomputation is; a free thread runs them at once, and what they make
+    is held through the recomputation.
+
+    Examples
+    --------
+    >>> recompute = [Action("recompute a", [], [(("c", 1), 4)])]
+    >>> backward = [Action("dW", [("g", 2), ("c", 1)], [(("g", 0), 4)]),
+    ...             Action("dx", [("g", 2), ("f", 9)], [(("g", 1), 4)])]
+    >>> [a.label for a in ready_gradients_first(recompute, backward)]
+    ['dx', 'recompute a', 'dW']
+    """
+    waiting = {key for action in recompute for key, _ in action.writes}
+    ready, late = [], []
+    for action in backward:
+        if any(key in waiting for key in action.reads):
+            late.append(action)
+            waiting.update(key for key, _ in action.writes)
+        else:
+            ready.append(action)
+    return ready + recompute + late
 
 
 def _view_bases(model: GraphModel) -> Dict[int, int]:

@@ -85,3 +85,43 @@ def test_dropout_stack_prediction_follows_the_measured_peak():
     predicted = plan.plain_peak - plan.resident_bytes
     print(f"dropout stack: measured {measured / MIB:.2f} MiB, predicted {predicted / MIB:.2f}")
     assert abs(predicted - measured) <= 0.2 * measured  # 33 MiB (+98%) before the noise and masks were freed
+
+
+def test_a_product_with_a_constant_does_not_hold_its_operand():
+    """``0.5 * h`` (Gelu's first factor): the gradient that would read ``h``
+    is the constant's, which nothing asks for; the product with the weight
+    reads each operand for the other's gradient."""
+    w = tf.Variable(tf.ones([8, 8]))
+
+    def fn(x, w):
+        h = tf.identity(x @ w, name="h")
+        half = tf.multiply(h, 0.5, name="half")
+        return tf.reduce_sum(tf.multiply(half, tf.identity(h, name="other"), name="both"))
+
+    model = _model_of(fn, tf.ones([8, 8]), w)
+    ops = {op.name.split("/")[-1]: op for op in model.ops}
+    names = {t: info.name.split("/")[-1] for t, info in model.tensors.items()}
+    assert [names[t] for t in ops["half"].grad_reads] == ["y:0"]  # the constant 0.5, not h
+    assert [names[t] for t in ops["both"].grad_reads] == ["half:0", "other:0"]
+    assert [[names[t] for t in reads] for reads in ops["both"].input_grad_reads] == [["other:0"], ["half:0"]]
+    matmul = next(op for op in model.ops if op.type == "MatMul")
+    # x is fed in: only the weight's gradient is used, and it reads x alone
+    assert matmul.input_grad_reads[1] and not matmul.input_grad_reads[0]
+
+
+def test_a_constant_power_holds_a_factor_made_in_advance():
+    """``h ** 3`` (tanh Gelu): its gradient reads no forward tensor at
+    backward time but a factor ``3 * h ** 2`` the executor makes at once;
+    the factor is counted as the op's saved bytes, and the square Grappler
+    makes for the cube as its forward temporary."""
+    w = tf.Variable(tf.ones([8, 8]))
+
+    def fn(x, w):
+        h = tf.identity(x @ w, name="h")
+        return tf.reduce_sum(tf.pow(h, 3.0, name="cube"))
+
+    model = _model_of(fn, tf.ones([8, 8]), w)
+    cube = next(op for op in model.ops if op.name.endswith("cube"))
+    assert cube.grad_reads == ()
+    assert cube.saved_bytes == 8 * 8 * 4
+    assert cube.temp_bytes >= 8 * 8 * 4

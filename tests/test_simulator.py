@@ -98,3 +98,53 @@ def test_parse_bytes_rejects(bad, says):
 
 def test_parse_bytes_takes_whole_floats():
     assert parse_bytes(2e9) == 2_000_000_000
+
+
+def _dense_chain(n: int, size: int, ready_gradients_early: bool) -> GraphModel:
+    """h_{i+1} = h_i @ w_i for n layers: each product's two gradients are
+    kernels of their own (the data gradient reads the weight, the weight
+    gradient the activation)."""
+    tensors = {0: TensorInfo("x", size, -1)}
+    ops, weights = [], []
+    for i in range(n):
+        w, out = 1000 + i, i + 1
+        tensors[w] = TensorInfo(f"w{i}", 4, -1)
+        tensors[out] = TensorInfo(f"h{i + 1}", size, i)
+        weights.append(w)
+        ops.append(OpInfo(f"matmul{i}", "MatMul", (i, w), (out,), grad_reads=(i, w),
+                          input_grad_reads=((w,), (i,))))
+    return GraphModel(ops, tensors, xs=weights, ys=[n], ready_gradients_early=ready_gradients_early)
+
+
+def test_a_parallel_executor_runs_ready_gradient_kernels_before_the_recomputation():
+    """With several inter-op threads, a segment's data gradients, which read
+    only the weights, run while the segment is recomputed: the prediction
+    must place them first and hold what they make through the recomputation."""
+    one = simulate(_dense_chain(8, 100, False), checkpoint_ops=[3])
+    many = simulate(_dense_chain(8, 100, True), checkpoint_ops=[3])
+
+    def segment(sim):  # the last unit: recompute h1..h3, then their gradients
+        start = sim.unit_ends[-2] + 1
+        return sim.labels[start:], sim.timeline[start:]
+
+    labels, _ = segment(one)
+    assert labels[0].startswith("recompute")  # one thread: the recomputation, queued first, runs first
+    labels, timeline = segment(many)
+    assert labels[0].startswith("backward")  # several: the data gradients are ready first
+    recompute = [i for i, label in enumerate(labels) if label.startswith("recompute")]
+    assert all(label.startswith("backward") for label in labels[:recompute[0]])
+    assert max(timeline) > max(segment(one)[1])  # and held while h1..h3 are recomputed
+    assert many.recompute_cost == one.recompute_cost
+    assert many.backward_cost == pytest.approx(one.backward_cost)  # the kernels share the op's cost
+
+
+def test_ready_gradients_first_examples():
+    import doctest
+
+    from memsaving import simulate as module
+    finder = doctest.DocTestFinder()
+    tests = [t for t in finder.find(module) if t.name.endswith("ready_gradients_first")]
+    assert tests and tests[0].examples
+    runner = doctest.DocTestRunner()
+    runner.run(tests[0])
+    assert runner.failures == 0
