@@ -245,8 +245,8 @@ def _differentiated(ops: Sequence[tf.Operation], ys: Sequence[tf.Tensor], flows)
 def _grad_reads(op: tf.Operation, needed: Sequence[bool]) -> List[tf.Tensor]:
     """The tensors ``op``'s gradient function reads when the gradients of the
     inputs flagged in ``needed`` are used (the others are pruned)."""
-    by_input = GRAD_READS_BY_INPUT.get(op.type)
-    if by_input is not None and len(by_input) == len(op.inputs) == len(needed):
+    by_input = _operand_rule(op)
+    if by_input is not None:
         positions = sorted({p for k, used in enumerate(needed) if used for p in by_input[k]})
         read = [op.inputs[p] for p in positions]
         return [t for t in read if is_trainable(t) and t.dtype != tf.resource]
@@ -259,6 +259,13 @@ def _grad_reads(op: tf.Operation, needed: Sequence[bool]) -> List[tf.Tensor]:
     if op.type in GRAD_READS_INPUTS:
         return [t for t in op.inputs if is_trainable(t) and t.dtype != tf.resource]
     return [t for t in list(op.inputs) + list(op.outputs) if is_trainable(t) and t.dtype != tf.resource]
+
+
+def _operand_rule(op: tf.Operation) -> Optional[Tuple[Tuple[int, ...], ...]]:
+    """``op``'s entry of :data:`GRAD_READS_BY_INPUT` when it applies (the
+    op has that many inputs), else None."""
+    rule = GRAD_READS_BY_INPUT.get(op.type)
+    return rule if rule is not None and len(rule) == len(op.inputs) else None
 
 
 def _reads_by_input(op: tf.Operation, needed: Sequence[bool], ids: Dict[int, int]) -> Tuple[Tuple[int, ...], ...]:
@@ -444,7 +451,7 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
             needed = [needs_gradient(t) for t in op.inputs]
             read = customs[op].reads if op in customs else _grad_reads(op, needed)
             reads = tuple(dict.fromkeys(ids[id(t)] for t in read if id(t) in ids))
-            if op not in customs and op.type in GRAD_READS_BY_INPUT:
+            if op not in customs and _operand_rule(op) is not None:
                 by_input = _reads_by_input(op, needed, ids)
         info = OpInfo(
             name=op.name, type=op.type, inputs=inputs, outputs=outputs,

@@ -173,6 +173,14 @@ class GraphModel:
         return sum(self.tensors[t].nbytes for op in self.ops if op.forward for t in op.outputs)
 
 
+def receives_gradient(model: GraphModel, t: int, xs: Set[int]) -> bool:
+    """Whether backprop makes a gradient for tensor ``t``: a float tensor
+    that is one of ``xs`` or made by a forward op (an input fed from outside
+    the forward graph gets none)."""
+    info = model.tensors[t]
+    return info.trainable and (t in xs or (info.producer >= 0 and model.ops[info.producer].forward))
+
+
 def gradient_sinks(model: GraphModel) -> Set[int]:
     """The tensors whose gradients are results: ``xs``, and the views of
     ``xs`` (a variable's read, an Identity of an x).

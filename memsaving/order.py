@@ -31,6 +31,8 @@ from typing import Dict, List, Optional, Sequence, Set
 
 import tensorflow as tf
 
+from memsaving.aggregation import producing_ops
+
 NOT_WAITED_ON = frozenset({"BiasAddGrad"})
 """Op types whose completion no later group waits for (see the module docstring)."""
 
@@ -121,12 +123,7 @@ def feeding_results(made: Sequence[tf.Operation], results: Sequence) -> Set[tf.O
     control edge from such an op to the next group would keep it, and the
     activation it reads, alive."""
     members = set(made)
-    stack = []
-    for g in results:
-        if g is None:
-            continue
-        parts = [g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g]
-        stack.extend(t.op for t in parts if t.op in members)
+    stack = [op for g in results for op in producing_ops(g) if op in members]
     found: Set[tf.Operation] = set()
     while stack:
         op = stack.pop()

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Sequence, Set, Tuple
 
-from memsaving.graph import GraphModel, gradient_sinks
+from memsaving.graph import GraphModel, gradient_sinks, receives_gradient
 from memsaving.schedule import backward_units, kept_set, recomputes_anchor
 from memsaving.simulate import (BACKWARD_COST_FACTOR, Action, Key, Simulation, memory_replay, op_action,
                                 result_keys, saved_key)
@@ -48,14 +48,9 @@ def gradient_ops(model: GraphModel) -> Set[int]:
             continue  # a view of xs: its output's gradient is the result
         found.add(i)
         for t in op.inputs:
-            if _receives_gradient(model, t, xs):
+            if receives_gradient(model, t, xs):
                 has_grad.add(t)
     return found
-
-
-def _receives_gradient(model: GraphModel, t: int, xs: Set[int]) -> bool:
-    info = model.tensors[t]
-    return info.trainable and (t in xs or (info.producer >= 0 and model.ops[info.producer].forward))
 
 
 def plain_schedule(model: GraphModel) -> List[Event]:
@@ -199,7 +194,7 @@ def _pending_contributions(model: GraphModel, needed: Set[int]) -> Dict[int, int
     for j in needed:
         for t in model.ops[j].inputs:  # one contribution per input slot, as ``_backward_action`` adds
             producer = model.tensors[t].producer
-            if producer in pending and t not in xs and _receives_gradient(model, t, xs):
+            if producer in pending and t not in xs and receives_gradient(model, t, xs):
                 pending[producer] += 1
     return pending
 
@@ -247,7 +242,7 @@ def _backward_action(model: GraphModel, i: int, runs: List[int], grads: _Gradien
         reads.append(saved_key(i, runs[i]))  # what the latest computation kept
     writes: List[Tuple[Key, int]] = []
     for t in op.inputs:
-        if _receives_gradient(model, t, grads.xs):
+        if receives_gradient(model, t, grads.xs):
             grads.add(t, reads, writes)
             producer = model.tensors[t].producer
             if producer in pending and t not in grads.xs:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from memsaving.graph import GraphModel, OpInfo, gradient_sinks
+from memsaving.graph import GraphModel, OpInfo, gradient_sinks, receives_gradient
 from memsaving.schedule import Inner, Unit, backward_units, kept_set, recomputes_anchor
 from memsaving.swap import CostModel, add_swaps, timed_replay
 
@@ -258,10 +258,6 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List
     def source(t: int, local: Dict[int, Key]) -> Key:
         return local.get(t) or sources.get(t) or ("f", t)
 
-    def receives_gradient(t: int) -> bool:
-        info = tensors[t]
-        return info.trainable and (t in xs or (info.producer >= 0 and model.ops[info.producer].forward))
-
     def differentiate(i: int, local: Dict[int, Key], label: str):
         op = model.ops[i]
         incoming = [grad_key(t) for t in op.outputs if t in grad_version]
@@ -275,7 +271,7 @@ def _actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List
         split = bool(op.input_grad_reads) and model.ready_gradients_early
         kernels = [(k,) for k in range(len(op.inputs))] if split else [tuple(range(len(op.inputs)))]
         for inputs in kernels:
-            targets = [op.inputs[k] for k in inputs if receives_gradient(op.inputs[k])]
+            targets = [op.inputs[k] for k in inputs if receives_gradient(model, op.inputs[k], xs)]
             if not targets:
                 continue
             read = op.input_grad_reads[inputs[0]] if split else op.grad_reads
