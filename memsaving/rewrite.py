@@ -51,16 +51,36 @@ from memsaving.schedule import recomputes_anchor
 GradientsFn = Callable[..., list]
 
 
+CONVOLUTIONS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative"})
+"""Forward ops whose filter gradient oneDNN's graph pass can fuse with a
+bias gradient that reads the same incoming gradient (see
+:func:`_fusable_bias_gradient`)."""
+
+
+def _convolution_output(t: tf.Tensor) -> bool:
+    """A convolution's output, or its sum with a bias (whose gradient a
+    convolution's filter gradient reads unchanged)."""
+    op = t.op
+    if op.type in ("BiasAdd", "AddV2", "Add"):
+        return any(x.op.type in CONVOLUTIONS for x in op.inputs)
+    return op.type in CONVOLUTIONS
+
+
 class _Accumulator:
     """Gradient contributions received by each forward tensor."""
 
     def __init__(self):
         self._contributions = object_identity.ObjectIdentityDictionary()
+        # incoming gradients of convolutions, Identity stripped: what their
+        # filter gradients will read once Grappler removes the Identity ops
+        self.convolution_gradients = object_identity.ObjectIdentitySet()
 
     def add(self, tensor: tf.Tensor, gradient: Optional[Gradient]) -> None:
         if gradient is None:
             return
         self._contributions.setdefault(tensor, []).append(gradient)
+        if _convolution_output(tensor) and isinstance(gradient, tf.Tensor):
+            self.convolution_gradients.add(_without_identities(gradient))
 
     def total(self, tensor: tf.Tensor) -> Optional[Gradient]:
         """The summed gradient of ``tensor``; later calls reuse the sum."""
@@ -195,11 +215,12 @@ class BackwardBuilder:
         """Ops a unit's first copies wait on: its output gradients and the
         previous unit's results, bias gradients included (except those
         Grappler may fuse into the next unit, see _fusable_bias_gradient)."""
-        handed_on = object_identity.ObjectIdentitySet(
-            g for g in self.previous_results if not isinstance(g, tf.IndexedSlices))
+        shared = object_identity.ObjectIdentitySet(
+            _without_identities(g) for g in self.previous_results if not isinstance(g, tf.IndexedSlices))
+        shared.update(self.grads.convolution_gradients)
         wait_for = []
         for g in list(out_grads) + [g for g in self.previous_results
-                                    if not _fusable_bias_gradient(g, handed_on)]:
+                                    if not _fusable_bias_gradient(g, shared)]:
             wait_for.extend(producing_ops(g))
         return list({id(o): o for o in wait_for}.values())
 
@@ -395,17 +416,22 @@ def _seed(y: tf.Tensor) -> tf.Tensor:
         return default_gradient.ones_like(y)
 
 
-def _fusable_bias_gradient(gradient, handed_on) -> bool:
+def _fusable_bias_gradient(gradient, shared) -> bool:
     """True for a bias gradient (BiasAddGrad, possibly reshaped or cast) that
-    Grappler may fuse into the next unit: its incoming gradient is itself
-    among ``handed_on`` (the previous unit's results), i.e. the BiasAdd read
-    a kept tensor, made by an op of the segment built next.
+    Grappler may fuse into a later unit: its incoming gradient is, up to
+    Identity ops (which Grappler removes), among ``shared``: the previous
+    unit's results, and the incoming gradients of convolutions.
 
-    oneDNN/Grappler fuse BiasAddGrad with the Conv2DBackpropFilter that reads
-    the same incoming gradient.  When a checkpoint sits between a convolution
-    and its BiasAdd, those two ops belong to consecutive segments; a copy of
-    the later segment waiting on the fused op would wait on itself (a cycle,
-    seen on VGG16).  Such bias gradients are therefore not waited on.
+    oneDNN's graph pass fuses BiasAddGrad with a Conv2DBackpropFilter that
+    reads the same incoming gradient, whichever convolution that filter
+    gradient belongs to, and which one it picks varies from run to run.  When
+    a checkpoint sits between a convolution and its BiasAdd, the two ops
+    belong to consecutive units (a cycle, seen on VGG16).  When a residual
+    ``Add`` sums a biased convolution and a shortcut convolution, both
+    receive the same gradient, and the shortcut may be recomputed in a later
+    unit (ResNet50V2: "1937 nodes in a cycle" in some runs of one plan).  A
+    later unit waiting on the fused op would wait on itself, so such bias
+    gradients are not waited on.
 
     Every other bias gradient is: nothing else makes the step run it before
     the end, and TensorFlow's executor may defer it there, holding the
@@ -418,7 +444,15 @@ def _fusable_bias_gradient(gradient, handed_on) -> bool:
     op = gradient.op
     while op.type in ("Reshape", "Identity", "Cast") and op.inputs:
         op = op.inputs[0].op
-    return op.type == "BiasAddGrad" and op.inputs[0] in handed_on
+    return op.type == "BiasAddGrad" and _without_identities(op.inputs[0]) in shared
+
+
+def _without_identities(t: tf.Tensor) -> tf.Tensor:
+    """``t`` with the Identity ops it was passed through skipped
+    (``tf.gradients`` wraps each ``grad_ys`` in one)."""
+    while t.op.type == "Identity" and t.op.inputs:
+        t = t.op.inputs[0]
+    return t
 
 
 def release_gradient_constants(made: Sequence[tf.Operation]) -> None:

@@ -274,10 +274,14 @@ FAMILIES = {
     # the Dense and two-tower steps measure lower and steadier with it).
     "layernorm": Family(_layernorm, 0.6, 0.45, 0.15),
     # 4 x (MultiHeadAttention(4 heads, key_dim 16) + residual, LayerNorm),
-    # (16, 64, 64).  15.1-17.1 / 5.53-5.65 / 6.03: ratio 0.33-0.37, error
-    # +7..+10%.  No view fix: 15.3-16.3 / 7.0-8.3 / 6.0, ratio 0.43-0.55,
-    # error -13..-27% (the attention heads' reshapes).
-    "multi_head_attention": Family(_mha, 0.44, 0.1, 0.25),
+    # (16, 64, 64).  15.1-17.1 / 5.05-6.2 / 6.03-6.45: ratio 0.33-0.37,
+    # error -3..+28%.  No view fix: 15.3-16.3 / 7.0-8.3 / 6.0, ratio
+    # 0.43-0.55, error -13..-27% (the attention heads' reshapes).  The
+    # prediction moves with the kernel profiles: a reading counts whole
+    # allocator chunks, and what earlier tests left allocated decides the
+    # chunk a request gets (the scores' Mul gradient read 1.0-1.8 MiB over
+    # 114 processes), hence +35%.
+    "multi_head_attention": Family(_mha, 0.44, 0.1, 0.35),
     # Embedding(1000, 128) + 10 x Dense(128, relu), (32, 64) ids.  12.0-13.7 /
     # 6.07-6.34 / 6.01: ratio 0.46-0.51, error -1..-5%.  No bias fix:
     # 12.0-12.7 / 12.0-12.7, ratio 1.0, error -53%.  No view fix:
