@@ -282,7 +282,7 @@ def measure(model, case: Case, mode: str, repeat: int, budget: Optional[int] = N
 @dataclass
 class Calibrated:
     rounds: int  # rounds fit_to_budget measured
-    own_peak: int  # fit_to_budget's own measured peak of its last round
+    own_peak: int  # fit_to_budget's own measured peak of the round it returned
     peaks: List[int]  # re-measured here, as the other steps: max of ``repeat`` after a warm-up
     seconds: float  # fit_to_budget (all its rounds)
 

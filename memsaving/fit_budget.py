@@ -48,6 +48,13 @@ SLACK = 0.02
 little lower than the excess alone, so a peak that moves by a few kilobytes
 from one trace to the next does not cost another round."""
 
+HEADROOM = 0.02
+"""Fraction of the budget :func:`fit_to_budget` wants a round's measured peak
+to stay under before it stops.  The same step measured again later, after
+other work has changed what the allocator holds, can measure a little higher
+than in its calibration rounds.  A round that fits only within the headroom
+is kept, and returned when no later round fits with room."""
+
 
 @dataclass
 class _Margin:
@@ -133,18 +140,28 @@ class Calibration:
     margin: int = 0
     plans: List[Plan] = field(default_factory=list)
 
+    chosen: Optional[int] = None
+    """Index in ``rounds`` of the round whose step was returned, when it is
+    not the last (:func:`fit_to_budget` fell back to an earlier round)."""
+
+    @property
+    def _final(self) -> Optional[CalibrationRound]:
+        if not self.rounds:
+            return None
+        return self.rounds[-1 if self.chosen is None else self.chosen]
+
     @property
     def fits(self) -> bool:
-        """True when the last measured round fits the budget."""
-        return bool(self.rounds) and self.rounds[-1].measured_peak <= self.budget
+        """True when the returned (by default the last) round fits the budget."""
+        return self._final is not None and self._final.measured_peak <= self.budget
 
     @property
     def measured_peak(self) -> Optional[int]:
-        return self.rounds[-1].measured_peak if self.rounds else None
+        return self._final.measured_peak if self._final else None
 
     @property
     def predicted_peak(self) -> Optional[int]:
-        return self.rounds[-1].predicted_peak if self.rounds else None
+        return self._final.predicted_peak if self._final else None
 
     def __str__(self) -> str:
         lines = [f"memsaving calibration for a budget of {format_bytes(self.budget)}:"]
@@ -222,14 +239,17 @@ def fit_to_budget(
        (warm-up), then twice more under :func:`memsaving.measure_peak`; the
        higher peak counts (a step's peak moves by a few tensors from one
        run to the next);
-    2. if the measured peak is above ``budget``, add the excess (plus 2% of
-       the budget, and at least enough to plan below the plan just
+    2. if the measured peak is above ``budget`` less a 2% headroom (a step
+       measured again later can read a little higher), add the excess (plus
+       2% of the budget, and at least enough to plan below the plan just
        measured) to a *margin*, and trace again: every
        ``memsaving.gradients(..., budget=B)`` in the step now plans for
        ``B - margin`` (or, when that is below the smallest budget the
        planner can reach, at that smallest budget if it is below the last
        plan's predicted peak);
-    3. stop when the measured peak fits, or raise after ``max_rounds``.
+    3. stop when the measured peak fits with the headroom.  When the rounds
+       run out, or the planner finds nothing lower, return the lowest round
+       that fits the budget itself, if any; else raise.
 
     **Every round runs the step three times for real**: optimizer updates
     and other side effects happen (3 to ``3 * max_rounds`` training steps
@@ -280,10 +300,17 @@ def fit_to_budget(
     target = _check_arguments(step_fn, budget, max_rounds)
     python_fn = getattr(step_fn, "python_function", step_fn)  # a tf.function would not retrace
     report = Calibration(budget=target)
+    headroom = int(math.ceil(HEADROOM * target))
     snapshot: Optional[List[tuple]] = None
+    fallback: Optional[_Fitting] = None  # the lowest round that fits only within the headroom
     try:
         for round_number in range(1, max_rounds + 1):
-            step, plans, concrete = _trace(python_fn, args, kwargs, target, report)
+            try:
+                step, plans, concrete = _trace(python_fn, args, kwargs, target, report)
+            except BudgetError:
+                if fallback is None:
+                    raise
+                break
             _check_plans(plans, round_number)
             if restore_variables and snapshot is None:
                 snapshot = [(v, np.array(v.numpy(), copy=True)) for v in concrete.variables]
@@ -295,11 +322,20 @@ def fit_to_budget(
             for plan in plans:
                 plan.measured_peak = measured
             _say(verbose, f"memsaving.fit_to_budget: round {round_number}: {current.describe(target)}")
-            if measured <= target:
+            if measured <= target - headroom:
                 report.plans = plans
                 step.calibration = report
                 return step
-            report.margin = next_margin(report.margin, measured, target, current.predicted_peak)
+            if measured <= target and (fallback is None or measured < report.rounds[fallback.index].measured_peak):
+                fallback = _Fitting(len(report.rounds) - 1, step, plans, report.margin)
+            # aim below the budget less the headroom
+            report.margin = next_margin(report.margin, measured + headroom, target, current.predicted_peak)
+        if fallback is not None:
+            _say(verbose, f"memsaving.fit_to_budget: returning round {fallback.index + 1}, which fits the budget "
+                          f"within the {HEADROOM:.0%} headroom")
+            report.chosen, report.plans, report.margin = fallback.index, fallback.plans, fallback.margin
+            fallback.step.calibration = report
+            return fallback.step
         raise calibration_error(
             "memsaving.fit_to_budget", target, report.rounds,
             f"the step's measured peak stays above the budget of {format_bytes(target)} after "
@@ -308,6 +344,16 @@ def fit_to_budget(
         if snapshot is not None:
             for variable, value in snapshot:
                 restore_variable(variable, value)
+
+
+@dataclass(frozen=True)
+class _Fitting:
+    """A measured round that fits the budget, and what to return it with."""
+
+    index: int
+    step: Any
+    plans: List[Plan]
+    margin: int
 
 
 def restore_variable(variable: tf.Variable, value: np.ndarray) -> None:

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 import memsaving
 import memsaving.keras as mkeras
-from memsaving.fit_budget import SLACK
+from memsaving.fit_budget import HEADROOM, SLACK
 
 MiB = 2 ** 20
 DEPTH, WIDTH, BATCH = 12, 128, 2048
@@ -114,8 +114,8 @@ def test_fit_to_budget_replans_until_the_measured_peak_fits():
     # round 1's measured excess and the slack, and every plan met its lowered budget as predicted.
     assert len(rounds) >= 2 or isinstance(outcome, memsaving.BudgetError)
     if len(rounds) >= 2:
-        expected = min(budget - (rounds[0].measured_peak - budget) - math.ceil(SLACK * budget),
-                       rounds[0].predicted_peak - 1)
+        expected = min(budget - (rounds[0].measured_peak - budget) - math.ceil(HEADROOM * budget)
+                       - math.ceil(SLACK * budget), rounds[0].predicted_peak - 1)
         at_floor = rounds[1].predicted_peak == rounds[1].planned_for  # the planner's smallest budget
         assert rounds[1].planned_for == expected or at_floor
         assert rounds[1].planned_for < rounds[0].predicted_peak < budget
@@ -130,11 +130,12 @@ def test_fit_to_budget_replans_until_the_measured_peak_fits():
         return
     step = outcome
     report = step.calibration
-    assert report.fits and report.measured_peak <= budget
-    assert report.margin == budget - rounds[-1].planned_for > 0
+    returned = rounds[-1 if report.chosen is None else report.chosen]
+    assert report.fits and report.measured_peak == returned.measured_peak <= budget
+    assert report.margin == budget - returned.planned_for > 0
     plan = report.plans[0]
-    assert plan.budget == budget and plan.measured_peak == rounds[-1].measured_peak
-    assert plan.predicted_peak <= rounds[-1].planned_for
+    assert plan.budget == budget and plan.measured_peak == returned.measured_peak
+    assert plan.predicted_peak <= returned.planned_for
     text = plan.table()
     assert f"measured peak {plan.measured_peak / MiB:.1f} MiB (budget {budget / MiB:.1f} MiB)" in text
     # The returned function is traced: running it again does not replan. Its peak still fits,
@@ -146,6 +147,53 @@ def test_fit_to_budget_replans_until_the_measured_peak_fits():
     # A retrace for another input shape plans with the same margin.
     step(mlp.x[: BATCH // 2])
     assert len(report.plans) == 2 and report.plans[1].predicted_peak <= budget - report.margin
+
+
+def _scripted_peaks(monkeypatch, fractions, budget):
+    """Make fit_to_budget read ``fractions[k] * budget`` as the peak of round k+1 (both of
+    its measured steps), so what it does with a peak inside the headroom is tested exactly."""
+    import memsaving.fit_budget as fit_budget
+    calls = []
+
+    def measure(step, *args, **kwargs):
+        calls.append(1)
+        return int(fractions[min((len(calls) - 1) // fit_budget.MEASURED_STEPS, len(fractions) - 1)] * budget)
+
+    monkeypatch.setattr(fit_budget, "measure_peak", measure)
+
+
+def test_a_peak_within_the_headroom_is_replanned_and_returned_when_nothing_fits_better(monkeypatch):
+    """Round 1 fits only within the headroom, round 2 is over: round 1's step is returned."""
+    mlp = MLP()
+    plain, resident = mlp.plain_plan()
+    budget = int(resident + 0.6 * (plain - resident))
+    _scripted_peaks(monkeypatch, [1 - HEADROOM / 2, 1.1], budget)
+    step = memsaving.fit_to_budget(mlp.step(budget), mlp.x, budget=budget, max_rounds=2)
+    report = step.calibration
+    assert len(report.rounds) == 2 and report.chosen == 0
+    assert report.fits and report.measured_peak == report.rounds[0].measured_peak
+    assert report.margin == 0 and report.plans[0].measured_peak == report.rounds[0].measured_peak
+    # round 2 aimed below the budget less the headroom
+    assert report.rounds[1].planned_for < budget - math.ceil(HEADROOM * budget)
+
+
+def test_a_peak_below_the_headroom_ends_calibration(monkeypatch):
+    mlp = MLP()
+    plain, resident = mlp.plain_plan()
+    budget = int(resident + 0.6 * (plain - resident))
+    _scripted_peaks(monkeypatch, [1 - 2 * HEADROOM], budget)
+    step = memsaving.fit_to_budget(mlp.step(budget), mlp.x, budget=budget, max_rounds=2)
+    assert len(step.calibration.rounds) == 1 and step.calibration.chosen is None
+
+
+def test_nothing_within_the_budget_still_raises(monkeypatch):
+    mlp = MLP()
+    plain, resident = mlp.plain_plan()
+    budget = int(resident + 0.6 * (plain - resident))
+    _scripted_peaks(monkeypatch, [1.1, 1.05], budget)
+    with pytest.raises(memsaving.BudgetError) as caught:
+        memsaving.fit_to_budget(mlp.step(budget), mlp.x, budget=budget, max_rounds=2)
+    assert len(caught.value.calibration.rounds) == 2
 
 
 def test_smallest_budget_of_the_error_fits_when_measured():
