@@ -239,7 +239,10 @@ class BackwardBuilder:
                     inputs.append(self.sources.get(t, t))
             control = [copies.get(c, c) for c in original.control_inputs]
             if not any(t.op in copies for t in original.inputs):
-                control.extend(wait_for)
+                if original.type in WAIT_ON_INPUT and wait_for:
+                    inputs[0] = _waiting(inputs[0], wait_for, prefix)
+                else:
+                    control.extend(wait_for)
             copies[original] = copy_op(original, inputs, control, prefix)
             if has_custom_gradient(original):
                 copies[original]._gradient_function = self._reading_copies(  # pylint: disable=protected-access
@@ -414,6 +417,22 @@ def _seed(y: tf.Tensor) -> tf.Tensor:
     2.88-3.33 against 2.75 predicted)."""
     with tf.control_dependencies([y]):
         return default_gradient.ones_like(y)
+
+
+WAIT_ON_INPUT = frozenset({"Pow"})
+"""Op types whose copies wait through their first input, not by control
+edges of their own.  Grappler's arithmetic optimizer rewrites ``x ** 3`` as
+``square(x) * x`` and, on a ``Pow`` that carries control inputs, leaves a
+node it then cannot find ("ConvertPow__inner_Pow does not exist"); the
+whole function then runs unoptimized (seen on recomputed tanh-Gelu in a
+keras_hub BERT budget plan)."""
+
+
+def _waiting(t: tf.Tensor, wait_for: Sequence[tf.Operation], prefix: str) -> tf.Tensor:
+    """``t`` passed through an Identity that waits on ``wait_for`` (the
+    Identity forwards ``t``'s buffer; nothing is copied)."""
+    with tf.device(t.op.device), tf.control_dependencies(list(wait_for)):
+        return tf.identity(t, name=f"{prefix}wait")
 
 
 def _fusable_bias_gradient(gradient, shared) -> bool:

@@ -329,3 +329,40 @@ def test_attention_encoder_prediction_with_default_threads():
               f"measured {min(found['measured']):.2f}-{measured:.2f} MiB")
         assert 0.85 * measured <= predicted <= 1.15 * measured, mode
     assert max(figures["memory"]["measured"]) * 2 <= min(figures["plain"]["measured"])
+
+
+def test_a_recomputed_power_waits_through_its_input():
+    """A segment that starts at ``x ** 3`` (tanh-Gelu): the copy of the Pow
+    waits through an Identity on its input, never by control edges of its
+    own, which Grappler's arithmetic optimizer mishandles (a keras_hub BERT
+    budget plan logged "ConvertPow__inner_Pow does not exist" and ran
+    unoptimized).  Gradients equal tf.gradients'; Grappler logs no failure."""
+    from helpers import grappler_failures
+    rng = np.random.default_rng(0)
+    weights = [tf.Variable(rng.standard_normal((64, 64)).astype(np.float32) / 8) for _ in range(4)]
+    x = tf.constant(rng.standard_normal((32, 64)).astype(np.float32))
+    made = {}
+
+    @tf.function
+    def both(x):
+        h, starts = x, []
+        for w in weights:
+            a = tf.matmul(h, w)
+            starts.append(a)
+            h = 0.5 * a * (1.0 + tf.tanh(0.7978846 * (a + 0.044715 * tf.pow(a, 3.0))))
+        loss = tf.reduce_sum(h * h)
+        ours = memsaving.gradients(loss, weights, checkpoints=starts)
+        made["graph"] = tf.compat.v1.get_default_graph()
+        return tf.gradients(loss, weights), ours
+
+    (plain, ours), failures = grappler_failures(lambda: both(x))
+    assert not failures, failures
+    copies = [op for op in made["graph"].get_operations()
+              if op.type == "Pow" and "recompute_" in op.name and "_grad/" not in op.name]
+    assert copies
+    for op in copies:
+        assert not op.control_inputs, op.name
+        waiting = op.inputs[0].op
+        assert waiting.type == "Identity" and waiting.control_inputs, (op.name, waiting.type)
+    for a, b in zip(plain, ours):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6)
