@@ -215,9 +215,9 @@ class BackwardBuilder:
         """Ops a unit's first copies wait on: its output gradients and the
         previous unit's results, bias gradients included (except those
         Grappler may fuse into the next unit, see _fusable_bias_gradient)."""
-        shared = object_identity.ObjectIdentitySet(
+        handed_on = object_identity.ObjectIdentitySet(
             _without_identities(g) for g in self.previous_results if not isinstance(g, tf.IndexedSlices))
-        shared.update(self.grads.convolution_gradients)
+        shared = (handed_on, self.grads.convolution_gradients)
         wait_for = []
         for g in list(out_grads) + [g for g in self.previous_results
                                     if not _fusable_bias_gradient(g, shared)]:
@@ -435,11 +435,11 @@ def _waiting(t: tf.Tensor, wait_for: Sequence[tf.Operation], prefix: str) -> tf.
         return tf.identity(t, name=f"{prefix}wait")
 
 
-def _fusable_bias_gradient(gradient, shared) -> bool:
+def _fusable_bias_gradient(gradient, shared: Sequence[object_identity.ObjectIdentitySet]) -> bool:
     """True for a bias gradient (BiasAddGrad, possibly reshaped or cast) that
     Grappler may fuse into a later unit: its incoming gradient is, up to
-    Identity ops (which Grappler removes), among ``shared``: the previous
-    unit's results, and the incoming gradients of convolutions.
+    Identity ops (which Grappler removes), in one of the sets ``shared``: the
+    previous unit's results, and the incoming gradients of convolutions.
 
     oneDNN's graph pass fuses BiasAddGrad with a Conv2DBackpropFilter that
     reads the same incoming gradient, whichever convolution that filter
@@ -463,7 +463,10 @@ def _fusable_bias_gradient(gradient, shared) -> bool:
     op = gradient.op
     while op.type in ("Reshape", "Identity", "Cast") and op.inputs:
         op = op.inputs[0].op
-    return op.type == "BiasAddGrad" and _without_identities(op.inputs[0]) in shared
+    if op.type != "BiasAddGrad":
+        return False
+    incoming = _without_identities(op.inputs[0])
+    return any(incoming in tensors for tensors in shared)
 
 
 def _without_identities(t: tf.Tensor) -> tf.Tensor:
