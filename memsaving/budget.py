@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from memsaving.errors import BudgetError
+from memsaving.errors import BudgetError, feasible_budget
 from memsaving.chain import Chain, as_cuts as _as_cuts, chain as _chain, ops_of as _ops_of
 from memsaving.graph import GraphModel
 from memsaving.nested import nested_plan, thinned_chain
@@ -268,12 +268,13 @@ def select_for_budget(
     _raise_infeasible(model, budget, floor)
 
 
-def _raise_infeasible(model: GraphModel, budget: int, floor: int):
+def _raise_infeasible(model: GraphModel, budget: int, lowest_peak: int):
+    floor = feasible_budget(lowest_peak)
     raise BudgetError(
         f"no checkpoint plan fits the budget of {format_bytes(budget)}; the smallest feasible "
         f"budget found is {format_bytes(floor)} ({floor} bytes), of which "
-        f"{format_bytes(model.resident_bytes)} are parameters and inputs. Raise the budget, "
-        "or reduce the batch size."
+        f"{format_bytes(model.resident_bytes)} are in use before the step (parameters, inputs and "
+        "what the device already holds). Raise the budget, or reduce the batch size."
     )
 
 

@@ -1,7 +1,23 @@
 """Exceptions raised by memsaving, each with a message that says what to do."""
 
+import math
 import re
 from typing import Optional
+
+IN_USE_SLACK = 0.005
+"""The fraction of the lowest predicted peak a BudgetError adds to it
+(plus :data:`IN_USE_SLACK_BYTES`) as its smallest feasible budget.  Every
+prediction counts the bytes the device holds while planning, and those move
+by a few small tensors (cached results, captured constants) from one trace to
+the next: the budget passed back must still fit when the step is traced
+again."""
+
+IN_USE_SLACK_BYTES = 16 * 1024
+
+
+def feasible_budget(lowest_peak: int) -> int:
+    """The budget a BudgetError reports for a plan whose predicted peak is ``lowest_peak``."""
+    return int(lowest_peak) + math.ceil(IN_USE_SLACK * lowest_peak) + IN_USE_SLACK_BYTES
 
 
 class MemsavingError(Exception):

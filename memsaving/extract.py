@@ -371,14 +371,19 @@ def _folded_gradients(ops: Sequence[tf.Operation], differentiated: Set[tf.Operat
 
 
 def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional[int] = None,
-                profile: str = "off", seeded_with_ones: bool = True) -> GraphModel:
+                profile: str = "off", seeded_with_ones: bool = True, in_use_bytes: int = 0) -> GraphModel:
     """The neutral model of the step that computes ``fwd.ys``.
 
     Args:
       fwd: the forward graph (defines which ops are differentiated).
       batch_size: replaces unknown dimensions in sizes and costs.
       resident_bytes: memory in use before the step; default: the bytes of the
-        variables and inputs the step reads.
+        variables and inputs the step reads and of its folded gradient
+        constants, or, when larger, ``in_use_bytes`` plus those constants.
+      in_use_bytes: what the device's allocator holds while planning
+        (:func:`memsaving.measure.bytes_in_use`): the step's variables and
+        inputs as the allocator places them (rounded, fragmented) and
+        whatever else is held, all of which the measured peak includes.
       profile: kernel temporaries and run times (:mod:`memsaving.profiles`):
         ``"measure"`` measures the op signatures the cache lacks,
         ``"cached"`` uses only cached profiles, ``"off"`` none.
@@ -409,10 +414,10 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
     ids: Dict[int, int] = {}
     tensors: Dict[int, TensorInfo] = {}
     variants: Set[int] = set()
-    resident = 0
+    resident = folded_bytes = 0  # variables and inputs; gradient constants the first run keeps
 
     def tensor_id(t: tf.Tensor, producer: int) -> int:
-        nonlocal resident
+        nonlocal resident, folded_bytes
         key = id(t)
         if key not in ids:
             ids[key] = len(ids)
@@ -427,7 +432,7 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
             constant = producer < 0 and (t.op.type in ("Const", "VarHandleOp") or t.dtype == tf.resource)
             folds = key in folded
             if folds:
-                resident += tensor_bytes(t, batch_size)
+                folded_bytes += tensor_bytes(t, batch_size)
             tensors[ids[key]] = TensorInfo(t.name, nbytes, producer, flows(t), constant, value_bytes, folds)
             if t.dtype == tf.variant:
                 variants.add(ids[key])
@@ -473,7 +478,9 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
     summary = None
     if run is not None:
         summary = ProfileSummary(profile, run.measured, run.cached, run.missing, run.seconds, len(measured))
-    return GraphModel(infos, tensors, xs, ys, resident if resident_bytes is None else resident_bytes,
+    if resident_bytes is None:
+        resident_bytes = max(resident, in_use_bytes) + folded_bytes
+    return GraphModel(infos, tensors, xs, ys, resident_bytes,
                       separate_result_kernels=True, profile=summary,
                       ready_gradients_early=_parallel_executor())
 

@@ -25,6 +25,7 @@ from memsaving.errors import CheckpointError
 from memsaving import fit_budget as _calibration
 from memsaving.extract import graph_model
 from memsaving.forward import forward_graph, ops_made_in
+from memsaving.measure import bytes_in_use
 from memsaving.planning import Plan, make_plan
 from memsaving.hybrid import plan_hybrid
 from memsaving.loop_pinning import pin_loop_iterations
@@ -447,7 +448,8 @@ def _plan(ys, xs, checkpoints, budget, kwargs, seeded_with_ones: bool = True) ->
     # Under memsaving.fit_to_budget or a Keras calibration, plan for the budget minus the measured excess.
     planned_for = _calibration.planning_budget(budget)
     profile = _profile_mode(kwargs.get("profile"), checkpoints, budget)
-    model = graph_model(fwd, batch_size=batch_size, profile=profile, seeded_with_ones=seeded_with_ones)
+    model = graph_model(fwd, batch_size=batch_size, profile=profile, seeded_with_ones=seeded_with_ones,
+                        in_use_bytes=bytes_in_use())
     fwd, plan_ = _plan_for_model(fwd, model, checkpoints, planned_for, kwargs)
     if planned_for is not budget:
         plan_.budget = parse_bytes(budget)  # the budget asked for; the predicted peak fits the lower one

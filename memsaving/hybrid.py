@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from memsaving.budget import format_bytes, lowest_peak_plan, plan_for_budget
-from memsaving.errors import BudgetError
+from memsaving.errors import BudgetError, feasible_budget
 from memsaving.graph import GraphModel
 from memsaving.schedule import backward_units, kept_set
 from memsaving.simulate import simulate
@@ -131,9 +131,10 @@ def plan_hybrid(
     pool = [p for p in visited + [recompute_only, swap_only] if p is not None and p.fits(budget)]
     if not pool:
         lowest = min([p for p in visited + [recompute_only, swap_only] if p is not None], key=lambda p: p.peak)
+        floor = feasible_budget(lowest.peak)
         raise BudgetError(
             f"no recompute / swap plan fits the budget of {format_bytes(budget)}; the smallest feasible "
-            f"budget found is {format_bytes(lowest.peak)} ({lowest.peak} bytes). Raise the budget, "
+            f"budget found is {format_bytes(floor)} ({floor} bytes). Raise the budget, "
             "or reduce the batch size."
         )
     best = min(pool, key=lambda p: (p.seconds, p.peak))

@@ -40,6 +40,19 @@ def measure_peak(fn: Callable[..., Any], *args, device: Optional[str] = None, **
     return int(tf.config.experimental.get_memory_info(device)["peak"])
 
 
+def bytes_in_use(device: Optional[str] = None) -> int:
+    """Bytes the device's allocator holds now, or 0 when it keeps no statistics.
+
+    The allocator counts whole chunks, so this includes the rounding and
+    fragmentation of what is held, and everything held (other models,
+    tensors the caller keeps), which the step's measured peak includes too.
+    """
+    try:
+        return int(tf.config.experimental.get_memory_info(device or default_device())["current"])
+    except (ValueError, RuntimeError, tf.errors.OpError):
+        return 0
+
+
 def reset_peak(device: str) -> None:
     """Reset the device's allocator statistics, or explain why there are none."""
     try:

@@ -45,7 +45,8 @@ class Plan:
       predicted_compute: forward + recompute + backward relative to plain.
       budget: the memory budget in bytes, when one was given.
       resident_bytes: memory counted as in use before the step (parameters,
-        inputs); part of ``predicted_peak``.
+        inputs, or what the device held while planning when that is more);
+        part of ``predicted_peak``.
       inner_checkpoints: for multi-level plans, kept op name -> the names of
         the inner checkpoints its segment recomputes first (empty otherwise).
       swapped: names of the tensors copied to host memory after the forward

@@ -5,8 +5,11 @@
 * two logical CPU devices so placement across devices can be tested.
 """
 
+import gc
 import os
 import tempfile
+
+import pytest
 
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -30,6 +33,15 @@ def _configure_tensorflow():
 
 
 _configure_tensorflow()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_garbage_between_modules():
+    """Plans count the bytes the allocator holds (garbage included, until
+    Python collects it); collecting once per module keeps what earlier
+    modules dropped out of this module's predictions and budgets."""
+    gc.collect()
+    yield
 
 
 def pytest_configure(config):

@@ -33,15 +33,19 @@ class MLP:
     """A ReLU MLP of plain variables and its SGD step with a budgeted memsaving.gradients.
 
     Bias-free MatMul + ReLU layers: their checkpointed steps measure close to
-    (and above) the prediction, so a lower planned budget lowers the
-    measured peak, which calibration needs.
+    the prediction, so a lower planned budget lowers the measured peak,
+    which calibration needs.  The step also holds a buffer the plan cannot
+    see (made from the input, read only after the gradients, as a metric
+    would be), so it measures above its prediction by about that buffer: the
+    case calibration exists for.
     """
 
-    def __init__(self, seed=0):
+    def __init__(self, seed=0, unseen_copies=2):
         rng = np.random.default_rng(seed)
         self.weights = [tf.Variable(rng.standard_normal((WIDTH, WIDTH)).astype(np.float32) * WIDTH ** -0.5)
                         for _ in range(DEPTH)]
         self.x = tf.constant(rng.standard_normal((BATCH, WIDTH)).astype(np.float32))
+        self.unseen_copies = unseen_copies  # the unseen buffer, in copies of the input batch (1 MiB each)
 
     def loss(self, x):
         h = x
@@ -51,11 +55,13 @@ class MLP:
 
     def step(self, budget):
         def train_step(x):
+            unseen = tf.tile(x, [self.unseen_copies, 1]) * 2.0
             loss = self.loss(x)
             grads = memsaving.gradients(loss, self.weights, checkpoints="memory", budget=budget)
             for w, g in zip(self.weights, grads):
                 w.assign_sub(1e-3 * g)
-            return loss
+            with tf.control_dependencies(grads):
+                return loss + 0.0 * tf.reduce_min(unseen)
         return train_step
 
     def plain_plan(self):
@@ -330,23 +336,35 @@ def _keras_budget(fraction):
     return int(plan.resident_bytes + fraction * (plan.plain_peak - plan.resident_bytes))
 
 
+def _keras_fit_over_budget(capsys, fractions=(0.75, 0.65, 0.55, 0.45)):
+    """The first budget (fractions of the plain activation peak, predicted) whose first
+    Keras training step measures above it: (model, data, budget, error, printed output)."""
+    for fraction in fractions:
+        budget = _keras_budget(fraction)
+        model = _keras_mlp(use_bias=False)
+        mkeras.enable(model, budget=budget, verbose=True)
+        x, y = _keras_data()
+        try:
+            model.fit(x, y, batch_size=KERAS_BATCH, epochs=3, shuffle=False, verbose=0)
+            error = None
+        except memsaving.BudgetError as raised:  # allowed, if it says what was measured
+            error = raised
+        printed = capsys.readouterr().out
+        rounds = mkeras.calibration_of(model).rounds
+        if rounds and rounds[0].measured_peak > budget:
+            return model, (x, y), budget, error, printed
+    pytest.fail(f"no budget at {fractions} of the plain activation peak measured above itself in round 1: "
+                "the simulator now predicts this step's peak; choose a step whose peak it misses")
+
+
 def test_keras_enable_budget_calibrates_during_fit(capsys):
-    budget = _keras_budget(0.75)
-    model = _keras_mlp(use_bias=False)
-    mkeras.enable(model, budget=budget, verbose=True)
-    x, y = _keras_data()
-    try:
-        model.fit(x, y, batch_size=KERAS_BATCH, epochs=3, shuffle=False, verbose=0)
-        error = None
-    except memsaving.BudgetError as raised:  # allowed, if it says what was measured
-        error = raised
+    model, (x, y), budget, error, printed = _keras_fit_over_budget(capsys)
     report = mkeras.calibration_of(model)
-    printed = capsys.readouterr().out
     with capsys.disabled():
         _show("keras fit" + (" (BudgetError)" if error else ""), report.rounds, budget)
     rounds = report.rounds
     assert printed.count("calibration round") == len(rounds) >= 1
-    assert rounds[0].planned_for == budget < rounds[0].measured_peak, "round 1 should measure above the budget"
+    assert rounds[0].planned_for == budget < rounds[0].measured_peak
     # Every retrace planned for less, and the planner met the lowered budget as predicted.
     assert all(r.predicted_peak <= r.planned_for for r in rounds)
     assert all(later.predicted_peak < earlier.predicted_peak for earlier, later in zip(rounds, rounds[1:]))

@@ -5,6 +5,8 @@ tree-decomposition cuts must still find checkpoints that lower the measured
 peak, with gradients equal to tf.gradients.
 """
 
+import gc
+
 import pytest
 import tensorflow as tf
 
@@ -105,6 +107,7 @@ def test_unet_memory_mode_halves_measured_peak():
 
 
 def test_four_towers_under_a_budget():
+    gc.collect()  # plans count what the allocator holds: no earlier garbage freed between the plans below
     ws = _variables(4 * 24, seed=0)
     captured = {}
 
@@ -158,6 +161,7 @@ def test_predicted_peak_within_15_percent_on_multibranch_models(name):
     simulated order there (issue 15, item 3, is open), and its measured peak
     depends on the order the process settles on: 1.60-1.87 MiB against 1.50
     predicted, over single-threaded processes (conftest) and fresh-clone runs."""
+    gc.collect()  # plans count what the allocator holds: no earlier garbage freed between the plans below
     forward, count = {"towers": (four_towers, 96), "unet": (unet, 32)}[name]
     ws = _variables(count, 0)
     plain, _ = _predicted_and_measured(forward, ws, checkpoints=[])
@@ -166,7 +170,7 @@ def test_predicted_peak_within_15_percent_on_multibranch_models(name):
         dict(budget=resident + int(f * (plain.plain_peak - resident))) for f in (0.5, 0.8)]
     for kwargs in settings:
         plan, measured = _predicted_and_measured(forward, ws, **kwargs)
-        predicted = plan.predicted_peak - resident
+        predicted = plan.predicted_peak - plan.resident_bytes
         print(f"{name} {kwargs}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
         tolerance = 0.25 if (name, kwargs.get("checkpoints")) == ("unet", "memory") else 0.15
         assert abs(predicted - measured) <= tolerance * measured, kwargs

@@ -42,15 +42,18 @@ def multilevel_figures() -> dict:
         return run, grads
 
     x = tf.random.normal([BATCH, WIDTH], seed=1)
+    # Every step is traced before any runs: a step that has run holds constants Grappler folded, which
+    # later plans count as in use, and the budget below is set from the first plan's resident bytes.
     memory_run, _ = step("memory", checkpoints="memory")
-    memory_run(x)
+    memory_run.get_concrete_function(x)
     resident = plans["memory"].resident_bytes
     activations = plans["memory"].plain_peak - resident
     budget = resident + int(0.12 * activations)
     assert plans["memory"].predicted_peak > budget, "the budget must be below the single-level plan"
 
     tight_run, tight_grads = step("tight", budget=budget)
-    tight_run(x)
+    tight_run.get_concrete_function(x)
+    tight_grads.get_concrete_function(x)
     plan = plans["tight"]
     assert plan.inner_checkpoints, "expected a multi-level plan"
     assert plan.predicted_peak <= budget

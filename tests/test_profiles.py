@@ -237,6 +237,12 @@ def _plan_of(model, x, **kwargs):
     return captured["plan"]
 
 
+def _above_resident(peak: int, plan) -> int:
+    """A predicted peak less the plan's resident bytes, which count what the
+    device held while planning and so differ a little from trace to trace."""
+    return peak - plan.resident_bytes
+
+
 def test_cache_profiles_each_signature_once(cache_dir):
     model = models.residual_convnet(size=16, blocks=4, filters=(8, 16))
     x = tf.random.normal([4, 16, 16, 3])
@@ -248,7 +254,7 @@ def test_cache_profiles_each_signature_once(cache_dir):
     profiles.CACHE.clear()  # a new process: from the file
     from_disk = _plan_of(model, x, checkpoints="memory")
     assert from_disk.profiled_signatures == 0 and from_disk.cached_signatures == again.cached_signatures
-    assert from_disk.predicted_peak == first.predicted_peak
+    assert _above_resident(from_disk.predicted_peak, from_disk) == _above_resident(first.predicted_peak, first)
     assert "op signatures profiled" in from_disk.table()
 
 
@@ -282,9 +288,9 @@ def test_profile_false_gives_the_unprofiled_prediction(cache_dir):
     on = _plan_of(model, x, checkpoints="memory")
     assert off.profile_mode == "off" and off.profiled_signatures == off.cached_signatures == 0
     assert "kernel temporaries" not in off.table()
-    assert on.plain_peak > off.plain_peak  # the loop's saved and work memory
+    assert _above_resident(on.plain_peak, on) > _above_resident(off.plain_peak, off)  # the loop's saved and work memory
     again_off = _plan_of(model, x, checkpoints=[], profile=False)
-    assert again_off.plain_peak == off.plain_peak
+    assert _above_resident(again_off.plain_peak, again_off) == _above_resident(off.plain_peak, off)
 
 
 def test_gradients_with_a_list_use_cached_profiles_only(cache_dir):
@@ -311,7 +317,8 @@ def test_gradients_with_a_list_use_cached_profiles_only(cache_dir):
     assert planned.profile_mode == "measure" and planned.profiled_signatures > 0
     warm = traced_plan()
     assert warm.profiled_signatures == 0 and warm.cached_signatures == planned.profiled_signatures
-    assert warm.plain_peak == planned.plain_peak > cold.plain_peak
+    assert (_above_resident(warm.plain_peak, warm) == _above_resident(planned.plain_peak, planned)
+            > _above_resident(cold.plain_peak, cold))
 
 
 def test_profile_argument_is_checked():

@@ -76,13 +76,13 @@ def test_plan_command_on_a_saved_model(tmp_path, capsys):
 
 
 def test_plan_command_budget_and_bad_input(capsys):
-    assert main(["plan", "mlp", "--batch", "4", "--budget", "10MiB"]) == 0
+    assert main(["plan", "mlp", "--batch", "4", "--budget", "1GiB"]) == 0
     assert "memsaving plan (budget)" in capsys.readouterr().out
     assert main(["plan", "mlp", "--batch", "4", "--budget", "1KiB"]) == 1
     assert "smallest feasible budget" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="neither a file nor a built-in model"):
         main(["plan", "no-such-model"])
-    assert main(["plan", "mlp", "--batch", "64", "--budget", "12MiB", "--swap", "auto"]) == 0
+    assert main(["plan", "mlp", "--batch", "64", "--budget", "1GiB", "--swap", "auto"]) == 0
     out = capsys.readouterr().out
     assert "memsaving plan (hybrid)" in out and "predicted step time" in out
     with pytest.raises(SystemExit, match="give a --budget"):
