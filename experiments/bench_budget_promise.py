@@ -30,8 +30,9 @@ bytes in use during the step, including the weights and inputs that are
 alive before it, which is what ``Plan.predicted_peak`` and ``plain_peak``
 include (as ``resident_bytes``) and what a budget bounds.  Each table shows
 the bytes in use before the step beside the plan's ``resident_bytes``
-(they differ by memory the plan does not count, such as BatchNorm moving
-statistics).  Each step runs once as a warm-up (tracing, planning, one-time
+(the bytes in use when the step was planned, or the weights and inputs it
+reads when those are more; they differ by what was allocated or freed in
+between).  Each step runs once as a warm-up (tracing, planning, one-time
 buffers), then ``--repeat`` times (default 3) measured; "measured" is the
 largest of those peaks (min and max are in the CSV), and the budget
 fractions are of the largest measured plain peak.  A plan "fits" when
@@ -518,7 +519,7 @@ def _f(value, fmt: str) -> str:
 
 def print_model(r: ModelResult) -> None:
     print(f"\n{r.name}: {r.description}")
-    print(f"in use before the step {r.in_use_before / MIB:.2f} MiB; plan resident_bytes (weights + inputs) "
+    print(f"in use before the step {r.in_use_before / MIB:.2f} MiB; plan resident_bytes "
           f"{r.resident / MIB:.2f} MiB; sweep {r.seconds:.0f} s"
           + (f" (of which fit_to_budget and its measurement {r.cal_seconds:.0f} s)" if r.calibrated else ""))
     cal_header = (f" | {'cal':>11} {'rounds':>6} {'own':>6} {'measured':>8} {'meas/bud':>8} {'smallest':>8} "

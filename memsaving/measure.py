@@ -83,6 +83,6 @@ def measure_peak_increase(fn: Callable[..., Any], *args, device: Optional[str] =
     needed (activations, gradients, temporaries).
     """
     device = device or default_device()
-    reset_peak(device)
-    before = int(tf.config.experimental.get_memory_info(device)["current"])
+    reset_peak(device)  # raises when the allocator keeps no statistics
+    before = bytes_in_use(device)
     return measure_peak(fn, *args, device=device, **kwargs) - before

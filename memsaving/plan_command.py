@@ -373,8 +373,9 @@ def run(model: str, batch: int = 8, size: Optional[int] = None, checkpoints: str
     mib = 2 ** 20
     activations = plan.predicted_peak - plan.resident_bytes
     plain_activations = plan.plain_peak - plan.resident_bytes
-    out.write(f"\nin use before the step (parameters, inputs): {plan.resident_bytes / mib:.1f} MiB; activations and gradients: "
-              f"{activations / mib:.1f} MiB with this plan, {plain_activations / mib:.1f} MiB plain "
+    out.write(f"\nin use before the step (parameters, inputs): {plan.resident_bytes / mib:.1f} MiB; "
+              f"activations and gradients: {activations / mib:.1f} MiB with this plan, "
+              f"{plain_activations / mib:.1f} MiB plain "
               f"({plain_activations / max(activations, 1):.2f}x lower); "
               f"overhead {100 * (plan.predicted_compute - 1):.0f}% more compute\n")
     if plot:

@@ -99,6 +99,10 @@ def _calibrate(mlp, budget, **options):
         return error.calibration.rounds, error
 
 
+_NONE_OVER = ("no budget at {} of the plain activation peak measured above itself in round 1: "
+              "the simulator now predicts this step's peak; choose a step whose peak it misses")
+
+
 def _over_budget(mlp, max_rounds, fractions=(0.7, 0.6, 0.5, 0.4)):
     """The first budget (fractions of the plain activation peak, predicted) whose first plan
     measures above it: the case calibration exists for."""
@@ -108,8 +112,7 @@ def _over_budget(mlp, max_rounds, fractions=(0.7, 0.6, 0.5, 0.4)):
         rounds, outcome = _calibrate(mlp, budget, max_rounds=max_rounds, restore_variables=True)
         if rounds and rounds[0].measured_peak > budget:
             return budget, rounds, outcome
-    pytest.fail(f"no budget at {fractions} of the plain activation peak measured above itself in round 1: "
-                "the simulator now predicts this step's peak; choose a step whose peak it misses")
+    pytest.fail(_NONE_OVER.format(fractions))
 
 
 def test_fit_to_budget_replans_until_the_measured_peak_fits():
@@ -353,8 +356,7 @@ def _keras_fit_over_budget(capsys, fractions=(0.75, 0.65, 0.55, 0.45)):
         rounds = mkeras.calibration_of(model).rounds
         if rounds and rounds[0].measured_peak > budget:
             return model, (x, y), budget, error, printed
-    pytest.fail(f"no budget at {fractions} of the plain activation peak measured above itself in round 1: "
-                "the simulator now predicts this step's peak; choose a step whose peak it misses")
+    pytest.fail(_NONE_OVER.format(fractions))
 
 
 def test_keras_enable_budget_calibrates_during_fit(capsys):
