@@ -39,7 +39,7 @@ fractions are of the largest measured plain peak.  A plan "fits" when
 measured <= budget.  Errors are (predicted - measured) / measured.
 
 With ``--calibrate`` (on by default; ``--no-calibrate`` turns it off) every
-feasible budget case is ALSO built through ``memsaving.fit_to_budget(body,
+budget case, feasible or not as predicted, is ALSO built through ``memsaving.fit_to_budget(body,
 x, budget=b, restore_variables=True)``, where ``body`` is the same step
 written as a plain Python function calling ``memsaving.gradients(loss,
 weights, budget=b, batch_size=B)``; the returned function is then measured
@@ -49,7 +49,10 @@ fit_to_budget used, its own last measured peak, the re-measured peak over
 the budget and whether it fits.  When fit_to_budget raises ``BudgetError``
 its ``smallest_budget`` (the lowest peak it measured) is recorded and
 fit_to_budget is run again at that budget (once per distinct value), the
-result measured against it.  The uncalibrated columns are unchanged: they
+result measured against it.  At a budget no plan meets even as predicted,
+fit_to_budget measures the planner's lowest plan: it is returned when it
+fits as measured, else its measured peak makes the error's smallest_budget
+(a fraction below a lowest plan already measured reuses that outcome).  The uncalibrated columns are unchanged: they
 document what the planner alone promises.
 
 Nothing is tuned: the benchmark documents what the planner promises and what
@@ -91,6 +94,7 @@ import tensorflow as tf
 
 from experiments.report import Table, machine
 from memsaving import models
+from memsaving.fit_budget import SLACK
 
 FRACTIONS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 QUICK_FRACTIONS = (0.4, 0.6, 0.8)
@@ -318,8 +322,10 @@ the measured plain peak."""
 CAL_COLUMNS = ("cal status", "cal rounds", "cal own MiB", "cal measured MiB", "cal measured min MiB",
                "cal measured/budget", "cal smallest_budget MiB", "cal smallest/plain", "cal at smallest",
                "cal rounds at smallest")
-"""With ``--calibrate``, for feasible budget rows: ``memsaving.fit_to_budget``
-at the row's budget.  ``cal status``: fits / OVER (the re-measured peak
+"""With ``--calibrate``, for every budget row: ``memsaving.fit_to_budget``
+at the row's budget (for rows infeasible as predicted, at the fraction's
+budget, fraction x the measured plain peak, not the ``budget MiB`` column:
+fit_to_budget then measures the planner's lowest plan).  ``cal status``: fits / OVER (the re-measured peak
 against the budget), BudgetError (fit_to_budget raised) or error;
 ``cal rounds``: rounds fit_to_budget measured (the rounds in its error for
 BudgetError); ``cal own MiB``: fit_to_budget's own measured peak in its
@@ -461,6 +467,7 @@ def sweep(name: str, quick: bool, fractions, repeat: int, calibrate: bool = Fals
 
     at_smallest: Dict[int, Measured] = {}
     cal_at_smallest: Dict[int, tuple] = {}
+    floor_cal: Optional[list] = None  # the calibrated columns of an infeasible fraction that raised
     for fraction in fractions:
         budget = int(fraction * plain_peak)
         progress(name, f"budget {fraction:.2f} x measured plain = {budget / MIB:.1f} MiB")
@@ -483,12 +490,23 @@ def sweep(name: str, quick: bool, fractions, repeat: int, calibrate: bool = Fals
             else:
                 progress(name, f"  infeasible; smallest_budget {smallest / MIB:.1f} MiB measured already")
             s = at_smallest[smallest]
+            cal = NO_CAL
+            if calibrate:
+                if floor_cal is not None and budget < floor_cal[6] * MIB / (1 + SLACK):
+                    progress(name, "  calibrated: below the lowest plan measured at a lower fraction; same "
+                                   "outcome as there")
+                    cal = floor_cal
+                else:
+                    cal = calibrate_case(model, case, repeat, budget, plain_peak, result,
+                                         f"budget {fraction:.2f} (infeasible as predicted)", cal_at_smallest)
+                    if cal[0] == "BudgetError" and cal[6] is not None:
+                        floor_cal = cal
             result.rows.append([
                 name, "budget", fraction, _mib(smallest), "infeasible", _mib(s.peak) if s else None,
                 _mib(min(s.peaks)) if s else None, _mib(s.plan.predicted_peak) if s else None,
                 _ratio(s.peak, smallest) if s else None, _ratio(s.plan.predicted_peak, smallest) if s else None,
                 s.plan.predicted_peak / s.peak - 1 if s else None, _mib(smallest), smallest / plain_peak,
-            ] + NO_CAL)
+            ] + cal)
             continue
         except Exception as error:  # pylint: disable=broad-except
             result.failures.append(f"budget {fraction:.2f}: {_short(error)}")
@@ -605,7 +623,7 @@ def summarize(results: List[ModelResult], skipped: List[str]) -> Tuple[List[str]
             lines.append(f"- budget=smallest_budget could not be built (raised again) for {unbuilt} of them: see "
                          "Failures")
     if calibrated:
-        lines += _calibrated_lines(feasible, results)
+        lines += _calibrated_lines(feasible, results, [(name, row) for name, row in infeasible if row[13] is not None])
     for label, errors in (("plain", plain_errors), ("memory", memory_errors)):
         if errors:
             within = [name for name, e in errors if abs(e) <= 0.10]
@@ -641,11 +659,13 @@ def lowest_measured(result: ModelResult) -> float:
     return min(peaks, default=float("inf"))
 
 
-def _calibrated_lines(feasible: List[tuple], results: List[ModelResult]) -> List[str]:
-    """Overall lines for the calibrated columns (``feasible``: (model, row) of every feasible budget case)."""
+def _calibrated_lines(feasible: List[tuple], results: List[ModelResult], infeasible: List[tuple]) -> List[str]:
+    """Overall lines for the calibrated columns (``feasible``: (model, row) of every feasible budget case;
+    ``infeasible``: those of the cases infeasible as predicted that fit_to_budget was run on)."""
     n = len(feasible)
     returned = [(name, row) for name, row in feasible if row[13] in ("fits", "OVER")]
     raised = [(name, row) for name, row in feasible if row[13] == "BudgetError"]
+    raised_anywhere = raised + [(name, row) for name, row in infeasible if row[13] == "BudgetError"]
     failed = n - len(returned) - len(raised)
     fits = [row for _, row in returned if row[13] == "fits"]
     rounds: Dict[int, int] = {}
@@ -675,11 +695,20 @@ def _calibrated_lines(feasible: List[tuple], results: List[ModelResult]) -> List
         own = max(row[15] / row[3] for _, row in returned)
         lines.append(f"- calibrated max measured/budget: {worst_row[18]:.3f} ({worst_name} at {worst_row[2]:.2f}); "
                      f"fit_to_budget's own last-round peak / budget at most {own:.3f}")
-    if raised:
-        distinct = {(name, row[19]): row for name, row in raised if row[19] is not None}
+    if infeasible:
+        fitted = [(name, row) for name, row in infeasible if row[13] in ("fits", "OVER")]
+        lines.append(f"- calibrated, infeasible as predicted (fit_to_budget at the fraction's budget measures the "
+                     f"planner's lowest plan): {len(infeasible)} cases; returned a step in {len(fitted)} (measured "
+                     f"<= budget in {sum(row[13] == 'fits' for _, row in fitted)}"
+                     + (f": {', '.join(f'{name} at {row[2]:.2f}' for name, row in fitted)}" if fitted else "")
+                     + f"), BudgetError with a measured smallest_budget in "
+                     f"{sum(row[13] == 'BudgetError' for _, row in infeasible)}")
+    if raised_anywhere:
+        distinct = {(name, row[19]): row for name, row in raised_anywhere if row[19] is not None}
         measured = {key: row for key, row in distinct.items() if row[18] is not None}
         ratios = [row[20] for row in distinct.values()]
-        lines.append(f"- calibrated BudgetError: {len(raised)} cases, {len(distinct)} distinct smallest_budget values"
+        lines.append(f"- calibrated BudgetError: {len(raised_anywhere)} cases (feasible or not as predicted), "
+                     f"{len(distinct)} distinct smallest_budget values"
                      + (f" (smallest_budget / measured plain peak {min(ratios):.3f} to {max(ratios):.3f})"
                         if ratios else ""))
         within = sum(row[18] <= 1.05 for row in measured.values())
@@ -717,8 +746,9 @@ def write(results: List[ModelResult], summary_table: List[str], summary_lines: L
              "predicted_peak); measured = max of the repeats after one warm-up run. Budgets are fractions of the "
              "measured plain peak; infeasible fractions are measured at budget=smallest_budget (budget MiB "
              "column). error = (predicted - measured) / measured."
-             + (" cal columns: the same feasible budget steps built with memsaving.fit_to_budget(body, x, "
-                "budget=b, restore_variables=True) and then measured as above (max of the repeats after one "
+             + (" cal columns: the same budget steps built with memsaving.fit_to_budget(body, x, "
+                "budget=b, restore_variables=True) (b = fraction x measured plain, also for rows infeasible as "
+                "predicted, where fit_to_budget measures the planner's lowest plan) and then measured as above (max of the repeats after one "
                 "warm-up); after its BudgetError, fit_to_budget again at the error's smallest_budget, measured "
                 "against it (cal measured/budget is then measured / smallest_budget). cal own MiB: "
                 "fit_to_budget's own last-round peak." if calibrated else ""), "", "Models:", ""]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import gc
 import logging
 import math
 import re
@@ -251,6 +252,12 @@ def fit_to_budget(
        run out, or the planner finds nothing lower, return the lowest round
        that fits the budget itself, if any; else raise.
 
+    A budget that no plan meets even as predicted is not refused outright:
+    the first round plans at the planner's smallest feasible budget (above
+    ``budget``) and measures that plan.  Predictions err both ways, so it
+    may fit; when it does not, the ``BudgetError`` gives its measured peak,
+    and its ``smallest_budget`` is a figure measured, not predicted.
+
     **Every round runs the step three times for real**: optimizer updates
     and other side effects happen (3 to ``3 * max_rounds`` training steps
     on the data given).  Pass ``restore_variables=True`` to put every
@@ -294,7 +301,8 @@ def fit_to_budget(
         lowered budget; the message lists every round, and
         ``.smallest_budget`` is the lowest peak measured plus 2% (a budget
         that round's plan fits, with room for the peak's run-to-run
-        variation), None if nothing was measured;
+        variation), None if nothing was measured (the planner found no plan
+        at all, not even at its own smallest budget);
         ``.calibration`` holds the rounds.
     """
     target = _check_arguments(step_fn, budget, max_rounds)
@@ -330,6 +338,8 @@ def fit_to_budget(
                 fallback = _Fitting(len(report.rounds) - 1, step, plans, report.margin)
             # aim below the budget less the headroom
             report.margin = next_margin(report.margin, measured + headroom, target, current.predicted_peak)
+            step = concrete = None
+            gc.collect()  # this round's step, unless kept as the fallback: its constants must not count next
         if fallback is not None:
             _say(verbose, f"memsaving.fit_to_budget: returning round {fallback.index + 1}, which fits the budget "
                           f"within the {HEADROOM:.0%} headroom")
@@ -421,11 +431,11 @@ def _traced(python_fn: Callable, margin: int):
 def _trace(python_fn, args, kwargs, target: int, report: Calibration):
     """Trace the step for this round's margin (no run).
 
-    When the margin asks the planner for less than its smallest feasible
-    budget, the step is planned at that floor instead, if the floor is below
-    the predicted peak of the last round's plan (a lower plan is still worth
-    measuring); otherwise the planner's failure becomes a BudgetError listing
-    the rounds measured.  Returns ``(step, plans, concrete function)``.
+    When the planner finds no plan for the budget it was given, the step is
+    planned at the planner's smallest feasible budget instead when
+    :func:`margin_at_floor` says a plan there is worth measuring; otherwise
+    the planner's failure becomes a BudgetError listing the rounds measured.
+    Returns ``(step, plans, concrete function)``.
     """
     while True:
         step, plans = _traced(python_fn, report.margin)
@@ -433,20 +443,49 @@ def _trace(python_fn, args, kwargs, target: int, report: Calibration):
             return step, plans, step.get_concrete_function(*args, **kwargs)
         except BudgetError as error:
             planned_for = planning_budget_for(target, report.margin)
-            floor = error.smallest_budget
-            if (report.rounds and floor is not None and floor < report.rounds[-1].predicted_peak
-                    and report.margin != target - floor):  # a plan lower than the last, not tried yet
-                report.margin = target - floor
+            floor_margin = margin_at_floor(report, error)
+            if floor_margin is not None:
+                report.margin = floor_margin
                 continue
             if not report.rounds:
                 reason = (f"no plan fits the budget of {format_bytes(target)} even as predicted "
-                          f"({planner_said(error)}), so nothing was measured; measured peaks run above "
-                          "predictions.")
+                          f"({planner_said(error)}), not even at the planner's own smallest budget, so nothing "
+                          "was measured.")
+            elif report.rounds[0].planned_for > target:  # planned at the floor, above the budget
+                reason = (f"no plan fits the budget of {format_bytes(target)} even as predicted "
+                          f"({planner_said(error)}), and the lowest plan the planner finds measures above it:")
             else:
                 reason = (f"to leave room for the measured excess the planner must plan for "
                           f"{format_bytes(planned_for)}, and finds no plan that small below the last one "
                           f"measured ({planner_said(error)}). Measured so far:")
             raise calibration_error("memsaving.fit_to_budget", target, report.rounds, reason, report) from error
+
+
+def margin_at_floor(report: Calibration, error: BudgetError) -> Optional[int]:
+    """The margin that plans at the planner's smallest feasible budget, when that plan is worth measuring.
+
+    ``error`` is the planner's BudgetError for the budget less the current
+    margin; its ``smallest_budget`` is the floor.  Worth measuring:
+
+    - before any round, even though the floor is above the budget (the margin
+      is then negative): predictions err both ways, so the lowest plan may
+      fit as measured, and if it does not, its measured peak is a
+      ``smallest_budget`` that holds as measured, where the planner's is
+      only predicted;
+    - after a round, when the floor is below the predicted peak of the last
+      plan measured (a lower plan).
+
+    None when there is no floor, or the step was planned at it already.
+    """
+    floor = error.smallest_budget
+    if floor is None:
+        return None
+    margin = report.budget - floor
+    if not report.rounds:
+        return margin if report.margin == 0 else None
+    if floor < report.rounds[-1].predicted_peak and report.margin != margin:
+        return margin
+    return None
 
 
 def _check_plans(plans: List[Plan], round_number: int) -> None:

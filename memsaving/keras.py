@@ -41,7 +41,7 @@ import tensorflow as tf
 from memsaving.budget import format_bytes, parse_bytes
 from memsaving.errors import BudgetError, PeakMemoryUnavailableError
 from memsaving.fit_budget import (MEASURED_STEPS, Calibration, CalibrationRound, budget_margin, calibration_error,
-                                  next_margin, planner_said, planning_budget_for)
+                                  margin_at_floor, next_margin, planner_said, planning_budget_for)
 from memsaving.gradients import gradients_and_plan
 from memsaving.measure import default_device, reset_peak
 from memsaving.planning import Plan
@@ -438,10 +438,9 @@ class _Calibrator:
         """The margin asks for less than the planner's smallest feasible budget: plan at that floor
         when it is below the last measured plan's predicted peak, else raise the rounds measured so far."""
         budget = self.report.budget
-        floor = error.smallest_budget
-        last = self.report.rounds[-1].predicted_peak if self.report.rounds else budget
-        if floor is not None and floor < last and self.report.margin != budget - floor:
-            self.report.margin = budget - floor
+        margin = margin_at_floor(self.report, error) if self.report.rounds else None
+        if margin is not None:
+            self.report.margin = margin
             return
         raise calibration_error(
             f"memsaving.keras ({model.name})", budget, self.report.rounds,
