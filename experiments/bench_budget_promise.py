@@ -59,7 +59,7 @@ Nothing is tuned: the benchmark documents what the planner promises and what
 the allocator sees.  Results go to ``experiments/results/budget_promise.md``
 and ``.csv`` (``--out DIR`` elsewhere; ``--quick`` writes the same names).
 
-    python -m experiments.bench_budget_promise                       # all models, calibrated: ~25 min on 2 cores
+    python -m experiments.bench_budget_promise                       # all models, calibrated: ~36 min on 2 cores
     python -m experiments.bench_budget_promise --quick --out /tmp/bp  # smaller models, 3 fractions: a smoke run
     python -m experiments.bench_budget_promise --models mlp24,unet --fractions 0.5,0.7 --repeat 5
     python -m experiments.bench_budget_promise --no-calibrate        # the planner's promise alone: 10-15 minutes

@@ -13,7 +13,7 @@
   (:mod:`experiments.exp_treedecomp`).
 
 ``--quick`` takes about 3 minutes on 2 cores, ``--tiny`` (the test's
-configuration) under a minute; the full run about 30 minutes.  Results go
+configuration) under a minute; the full run about 45 minutes.  Results go
 to ``experiments/results/`` (``--out``); ``experiments/RESULTS.md`` shows the
 full run's.
 
