@@ -245,12 +245,14 @@ FAMILIES = {
     # 13.4-13.6 / 7.1-8.3 / 6.0: ratio 0.53-0.61, error -16..-28%.  Neither
     # fix changes it (no bias, no views).
     "conv2d": Family(_conv2d, 0.7, 0.35, 0.2),
-    # The same with biases (the Keras default).  13.5-14.4 / 6.48 / 6.0:
-    # ratio 0.45-0.48, error -7%.  It was a known problem until the gradient
-    # ops ran in the planned order (memsaving.order): memory mode measured
-    # 8.0-14.5 from one process to the next, and 8- or 16-layer stacks failed
-    # at run time with "nodes in a cycle".
-    "conv2d_bias": Family(_conv2d_bias, 0.6, 0.2, 0.2),
+    # The same with biases (the Keras default).  13.5-14.4 / 6.48-7.57 / 6.0:
+    # ratio 0.45-0.56, error -7..-21% (7.57, -21%, in a full fresh-clone
+    # suite run on 2026-11-24, as the bias-free stack's -16..-28%).  It was a
+    # known problem until the gradient ops ran in the planned order
+    # (memsaving.order): memory mode measured 8.0-14.5 from one process to
+    # the next, and 8- or 16-layer stacks failed at run time with "nodes in
+    # a cycle"; the ratio bound (0.6) is what guards that.
+    "conv2d_bias": Family(_conv2d_bias, 0.6, 0.3, 0.2),
     # 16 x DepthwiseConv2D(3, relu), (8, 32, 32, 32).  17.4-23.2 / 7.1-10.7 /
     # 8.0: ratio 0.33-0.61, error -25..+14% (noisy, hence the wide bounds).
     # No bias fix: 17.4-18.6 / 16.4-18.2, ratio 0.94-1.03, error -51..-56%.
