@@ -39,10 +39,10 @@ fractions are of the largest measured plain peak.  A plan "fits" when
 measured <= budget.  Errors are (predicted - measured) / measured.
 
 With ``--calibrate`` (on by default; ``--no-calibrate`` turns it off) every
-budget case, feasible or not as predicted, is ALSO built through ``memsaving.fit_to_budget(body,
-x, budget=b, restore_variables=True)``, where ``body`` is the same step
-written as a plain Python function calling ``memsaving.gradients(loss,
-weights, budget=b, batch_size=B)``; the returned function is then measured
+budget case, feasible or not as predicted, is ALSO built through
+``memsaving.fit_to_budget(body, x, budget=b, restore_variables=True)``, where
+``body`` is the same step written as a plain Python function calling
+``memsaving.gradients(loss, weights, budget=b, batch_size=B)``; the returned function is then measured
 exactly like the other steps (one warm-up run, ``--repeat`` runs under
 ``measure_peak``, the largest counts), and the "cal" columns give the rounds
 fit_to_budget used, its own last measured peak, the re-measured peak over
@@ -52,8 +52,9 @@ fit_to_budget is run again at that budget (once per distinct value), the
 result measured against it.  At a budget no plan meets even as predicted,
 fit_to_budget measures the planner's lowest plan: it is returned when it
 fits as measured, else its measured peak makes the error's smallest_budget
-(a fraction below a lowest plan already measured reuses that outcome).  The uncalibrated columns are unchanged: they
-document what the planner alone promises.
+(a fraction below a lowest plan already measured reuses that outcome).  The
+uncalibrated columns are unchanged: they document what the planner alone
+promises.
 
 Nothing is tuned: the benchmark documents what the planner promises and what
 the allocator sees.  Results go to ``experiments/results/budget_promise.md``
@@ -325,8 +326,9 @@ CAL_COLUMNS = ("cal status", "cal rounds", "cal own MiB", "cal measured MiB", "c
 """With ``--calibrate``, for every budget row: ``memsaving.fit_to_budget``
 at the row's budget (for rows infeasible as predicted, at the fraction's
 budget, fraction x the measured plain peak, not the ``budget MiB`` column:
-fit_to_budget then measures the planner's lowest plan).  ``cal status``: fits / OVER (the re-measured peak
-against the budget), BudgetError (fit_to_budget raised) or error;
+fit_to_budget then measures the planner's lowest plan).  ``cal status``:
+fits / OVER (the re-measured peak against the budget), BudgetError
+(fit_to_budget raised) or error;
 ``cal rounds``: rounds fit_to_budget measured (the rounds in its error for
 BudgetError); ``cal own MiB``: fit_to_budget's own measured peak in its
 last round; ``cal measured MiB`` / ``min``: the returned step re-measured
@@ -748,8 +750,8 @@ def write(results: List[ModelResult], summary_table: List[str], summary_lines: L
              "column). error = (predicted - measured) / measured."
              + (" cal columns: the same budget steps built with memsaving.fit_to_budget(body, x, "
                 "budget=b, restore_variables=True) (b = fraction x measured plain, also for rows infeasible as "
-                "predicted, where fit_to_budget measures the planner's lowest plan) and then measured as above (max of the repeats after one "
-                "warm-up); after its BudgetError, fit_to_budget again at the error's smallest_budget, measured "
+                "predicted, where fit_to_budget measures the planner's lowest plan) and then measured as above "
+                "(max of the repeats after one warm-up); after its BudgetError, fit_to_budget again at the error's smallest_budget, measured "
                 "against it (cal measured/budget is then measured / smallest_budget). cal own MiB: "
                 "fit_to_budget's own last-round peak." if calibrated else ""), "", "Models:", ""]
     notes += [f"- {r.name}: {r.description}; in use before the step {r.in_use_before / MIB:.2f} MiB, plan "

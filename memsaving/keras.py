@@ -438,6 +438,8 @@ class _Calibrator:
         """The margin asks for less than the planner's smallest feasible budget: plan at that floor
         when it is below the last measured plan's predicted peak, else raise the rounds measured so far."""
         budget = self.report.budget
+        # Before any round, fit_to_budget plans at a floor above the budget and measures it; here
+        # that would train real steps of fit at a plan predicted over the budget, so Keras raises.
         margin = margin_at_floor(self.report, error) if self.report.rounds else None
         if margin is not None:
             self.report.margin = margin
