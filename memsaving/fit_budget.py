@@ -25,7 +25,6 @@ import functools
 import gc
 import logging
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
@@ -43,6 +42,12 @@ MEASURED_STEPS = 2
 """Steps measured per plan, after the warm-up; the highest peak counts. The
 peak of one traced step moves by a few tensors from one run to the next
 (TensorFlow's executor orders ready ops partly by their measured cost)."""
+
+LOWEST_MEASURED_STEPS = 4
+"""Steps :func:`fit_to_budget` measures of the planner's lowest plan when
+that plan may be the last one it can try: its highest peak is the
+``smallest_budget`` a BudgetError reports, a figure the same plan must
+meet when it is measured again, so it is taken over more runs."""
 
 SLACK = 0.02
 """Fraction of the budget added to each measured excess: the next plan aims a
@@ -62,6 +67,7 @@ class _Margin:
     """What one traced step sees: the margin, and the plans made under it."""
 
     margin: int
+    or_lowest: bool = False
     plans: List[Plan] = field(default_factory=list)
 
 
@@ -70,14 +76,19 @@ _ACTIVE: contextvars.ContextVar[Optional[_Margin]] = contextvars.ContextVar("mem
 
 
 @contextlib.contextmanager
-def budget_margin(margin: int) -> Iterator[_Margin]:
+def budget_margin(margin: int, or_lowest: bool = False) -> Iterator[_Margin]:
     """While active, ``memsaving.gradients(..., budget=B)`` plans for ``B - margin``.
+
+    With ``or_lowest``, when no plan fits ``B - margin`` as predicted the
+    planner returns the lowest plan it finds instead of raising
+    ``BudgetError`` (:func:`planning_or_lowest`): a calibration measures
+    that plan, which may fit as measured what it does not as predicted.
 
     Yields the record that collects every plan ``memsaving.gradients`` makes
     inside (the calls happen when a ``tf.function`` is traced, so enter this
     around the trace, not around later calls of the traced function).
     """
-    record = _Margin(int(margin))
+    record = _Margin(int(margin), bool(or_lowest))
     token = _ACTIVE.set(record)
     try:
         yield record
@@ -99,6 +110,12 @@ def planning_budget(budget: Optional[Union[int, float, str]]) -> Optional[Union[
     return max(1, parse_bytes(budget) - record.margin)
 
 
+def planning_or_lowest() -> bool:
+    """True when the active calibration wants the planner's lowest plan for a budget nothing fits."""
+    record = _ACTIVE.get()
+    return record is not None and record.or_lowest
+
+
 def record_plan(plan: Plan) -> None:
     """Hand a plan ``memsaving.gradients`` executes to the active calibration, if any."""
     record = _ACTIVE.get()
@@ -117,9 +134,19 @@ class CalibrationRound:
     measured_peak: int
     """The allocator's peak during the step (everything on the device)."""
 
+    @property
+    def lowest(self) -> bool:
+        """True when no plan fitted ``planned_for`` as predicted and the planner gave its lowest plan.
+
+        That plan does not depend on the budget, so no lower budget gives a
+        lower plan."""
+        return self.predicted_peak > self.planned_for
+
     def describe(self, budget: int) -> str:
         verdict = "fits" if self.measured_peak <= budget else "over"
-        return (f"planned for {format_bytes(self.planned_for)}, predicted {format_bytes(self.predicted_peak)}, "
+        planned = (f"no plan predicted under {format_bytes(self.planned_for)}: the lowest plan" if self.lowest
+                   else f"planned for {format_bytes(self.planned_for)}")
+        return (f"{planned}, predicted {format_bytes(self.predicted_peak)}, "
                 f"measured {format_bytes(self.measured_peak)} ({verdict})")
 
 
@@ -245,18 +272,19 @@ def fit_to_budget(
        2% of the budget, and at least enough to plan below the plan just
        measured) to a *margin*, and trace again: every
        ``memsaving.gradients(..., budget=B)`` in the step now plans for
-       ``B - margin`` (or, when that is below the smallest budget the
-       planner can reach, at that smallest budget if it is below the last
-       plan's predicted peak);
+       ``B - margin``, or, when no plan fits that as predicted, takes the
+       planner's lowest plan (measured only if it is predicted below the
+       last plan measured);
     3. stop when the measured peak fits with the headroom.  When the rounds
-       run out, or the planner finds nothing lower, return the lowest round
-       that fits the budget itself, if any; else raise.
+       run out, or the lowest plan measures over the budget (no budget gives
+       a lower plan), return the lowest round that fits the budget itself,
+       if any; else raise.
 
     A budget that no plan meets even as predicted is not refused outright:
-    the first round plans at the planner's smallest feasible budget (above
-    ``budget``) and measures that plan.  Predictions err both ways, so it
-    may fit; when it does not, the ``BudgetError`` gives its measured peak,
-    and its ``smallest_budget`` is a figure measured, not predicted.
+    the first round measures the planner's lowest plan.  Predictions err
+    both ways, so it may fit; when it does not, the ``BudgetError`` gives
+    its measured peak (the highest of four runs), and its
+    ``smallest_budget`` is a figure measured, not predicted.
 
     **Every round runs the step three times for real**: optimizer updates
     and other side effects happen (3 to ``3 * max_rounds`` training steps
@@ -297,13 +325,11 @@ def fit_to_budget(
       ValueError: a bad budget or ``max_rounds``, or a step that makes no
         ``memsaving.gradients(..., budget=...)`` call.
       memsaving.BudgetError: the measured peak is still above ``budget``
-        after ``max_rounds`` rounds, or the planner finds nothing for the
-        lowered budget; the message lists every round, and
+        after ``max_rounds`` rounds, or the planner's lowest plan measures
+        above it; the message lists every round, and
         ``.smallest_budget`` is the lowest peak measured plus 2% (a budget
         that round's plan fits, with room for the peak's run-to-run
-        variation), None if nothing was measured (the planner found no plan
-        at all, not even at its own smallest budget);
-        ``.calibration`` holds the rounds.
+        variation); ``.calibration`` holds the rounds.
     """
     target = _check_arguments(step_fn, budget, max_rounds)
     python_fn = getattr(step_fn, "python_function", step_fn)  # a tf.function would not retrace
@@ -313,19 +339,19 @@ def fit_to_budget(
     fallback: Optional[_Fitting] = None  # the lowest round that fits only within the headroom
     try:
         for round_number in range(1, max_rounds + 1):
-            try:
-                step, plans, concrete = _trace(python_fn, args, kwargs, target, report)
-            except BudgetError:
-                if fallback is None:
-                    raise
-                break
+            step, plans = _traced(python_fn, report.margin, or_lowest=True)
+            concrete = step.get_concrete_function(*args, **kwargs)
             _check_plans(plans, round_number)
+            planned_for = planning_budget_for(target, report.margin)
+            predicted = max(p.predicted_peak for p in plans)
+            if report.rounds and predicted > planned_for and predicted >= report.rounds[-1].predicted_peak:
+                break  # the planner's lowest plan is no lower than the plan just measured
             if restore_variables and snapshot is None:
                 snapshot = [(v, np.array(v.numpy(), copy=True)) for v in concrete.variables]
             step(*args, **kwargs)  # warm-up: the first run of a graph allocates once-only buffers
-            measured = max(measure_peak(step, *args, device=device, **kwargs) for _ in range(MEASURED_STEPS))
-            planned_for = planning_budget_for(target, report.margin)
-            current = CalibrationRound(planned_for, max(p.predicted_peak for p in plans), measured)
+            steps = LOWEST_MEASURED_STEPS if predicted > planned_for else MEASURED_STEPS
+            measured = max(measure_peak(step, *args, device=device, **kwargs) for _ in range(steps))
+            current = CalibrationRound(planned_for, predicted, measured)
             report.rounds.append(current)
             for plan in plans:
                 plan.measured_peak = measured
@@ -336,24 +362,44 @@ def fit_to_budget(
                 return step
             if measured <= target and (fallback is None or measured < report.rounds[fallback.index].measured_peak):
                 fallback = _Fitting(len(report.rounds) - 1, step, plans, report.margin)
+            if current.lowest:
+                break  # no budget gives a lower plan than the planner's lowest
             # aim below the budget less the headroom
             report.margin = next_margin(report.margin, measured + headroom, target, current.predicted_peak)
             step = concrete = None
             gc.collect()  # this round's step, unless kept as the fallback: its constants must not count next
+        # The last step too: an error's traceback keeps this frame, and what the step holds would
+        # count in the plans of a fit_to_budget called again while the error is alive.
+        step = concrete = None
+        gc.collect()
         if fallback is not None:
             _say(verbose, f"memsaving.fit_to_budget: returning round {fallback.index + 1}, which fits the budget "
                           f"within the {HEADROOM:.0%} headroom")
             report.chosen, report.plans, report.margin = fallback.index, fallback.plans, fallback.margin
             fallback.step.calibration = report
             return fallback.step
-        raise calibration_error(
-            "memsaving.fit_to_budget", target, report.rounds,
-            f"the step's measured peak stays above the budget of {format_bytes(target)} after "
-            f"{max_rounds} round(s) (max_rounds={max_rounds}):", report)
+        raise calibration_error("memsaving.fit_to_budget", target, report.rounds,
+                                why_nothing_fits(target, report.rounds, max_rounds), report)
     finally:
         if snapshot is not None:
             for variable, value in snapshot:
                 restore_variable(variable, value)
+
+
+def why_nothing_fits(budget: int, rounds: Sequence[CalibrationRound], max_rounds: int) -> str:
+    """Why a calibration found nothing that fits ``budget`` as measured, for its BudgetError
+    (also used by ``memsaving.keras``; its own message says when its rounds ran out)."""
+    if rounds and rounds[0].lowest:
+        return (f"no plan fits the budget of {format_bytes(budget)} even as predicted, and the lowest plan "
+                "the planner finds measures above it:")
+    if rounds and rounds[-1].lowest:
+        return (f"to leave room for the measured excess the planner must plan below its lowest plan, "
+                "which measures above the budget. Measured so far:")
+    if len(rounds) < max_rounds:
+        return ("to leave room for the measured excess the planner must plan lower, and its lowest plan "
+                "is no lower than the last one measured. Measured so far:")
+    return (f"the step's measured peak stays above the budget of {format_bytes(budget)} after "
+            f"{max_rounds} round(s) (max_rounds={max_rounds}):")
 
 
 @dataclass(frozen=True)
@@ -408,8 +454,9 @@ def _check_arguments(step_fn, budget, max_rounds) -> int:
     return parse_bytes(budget)
 
 
-def _traced(python_fn: Callable, margin: int):
-    """A new ``tf.function`` of ``python_fn`` that plans with ``margin`` whenever it is traced.
+def _traced(python_fn: Callable, margin: int, or_lowest: bool = False):
+    """A new ``tf.function`` of ``python_fn`` that plans with ``margin`` (and
+    ``or_lowest``, see :func:`budget_margin`) whenever it is traced.
 
     The margin is entered inside the traced function, so a retrace for new
     input shapes after calibration plans with it too.  Returns the function
@@ -419,73 +466,13 @@ def _traced(python_fn: Callable, margin: int):
 
     @functools.wraps(python_fn)
     def with_margin(*args, **kwargs):
-        with budget_margin(margin) as record:
+        with budget_margin(margin, or_lowest) as record:
             try:
                 return python_fn(*args, **kwargs)
             finally:
                 plans.extend(record.plans)
 
     return tf.function(with_margin), plans
-
-
-def _trace(python_fn, args, kwargs, target: int, report: Calibration):
-    """Trace the step for this round's margin (no run).
-
-    When the planner finds no plan for the budget it was given, the step is
-    planned at the planner's smallest feasible budget instead when
-    :func:`margin_at_floor` says a plan there is worth measuring; otherwise
-    the planner's failure becomes a BudgetError listing the rounds measured.
-    Returns ``(step, plans, concrete function)``.
-    """
-    while True:
-        step, plans = _traced(python_fn, report.margin)
-        try:
-            return step, plans, step.get_concrete_function(*args, **kwargs)
-        except BudgetError as error:
-            planned_for = planning_budget_for(target, report.margin)
-            floor_margin = margin_at_floor(report, error)
-            if floor_margin is not None:
-                report.margin = floor_margin
-                continue
-            if not report.rounds:
-                reason = (f"no plan fits the budget of {format_bytes(target)} even as predicted "
-                          f"({planner_said(error)}), not even at the planner's own smallest budget, so nothing "
-                          "was measured.")
-            elif report.rounds[0].planned_for > target:  # planned at the floor, above the budget
-                reason = (f"no plan fits the budget of {format_bytes(target)} even as predicted "
-                          f"({planner_said(error)}), and the lowest plan the planner finds measures above it:")
-            else:
-                reason = (f"to leave room for the measured excess the planner must plan for "
-                          f"{format_bytes(planned_for)}, and finds no plan that small below the last one "
-                          f"measured ({planner_said(error)}). Measured so far:")
-            raise calibration_error("memsaving.fit_to_budget", target, report.rounds, reason, report) from error
-
-
-def margin_at_floor(report: Calibration, error: BudgetError) -> Optional[int]:
-    """The margin that plans at the planner's smallest feasible budget, when that plan is worth measuring.
-
-    ``error`` is the planner's BudgetError for the budget less the current
-    margin; its ``smallest_budget`` is the floor.  Worth measuring:
-
-    - before any round, even though the floor is above the budget (the margin
-      is then negative): predictions err both ways, so the lowest plan may
-      fit as measured, and if it does not, its measured peak is a
-      ``smallest_budget`` that holds as measured, where the planner's is
-      only predicted;
-    - after a round, when the floor is below the predicted peak of the last
-      plan measured (a lower plan).
-
-    None when there is no floor, or the step was planned at it already.
-    """
-    floor = error.smallest_budget
-    if floor is None:
-        return None
-    margin = report.budget - floor
-    if not report.rounds:
-        return margin if report.margin == 0 else None
-    if floor < report.rounds[-1].predicted_peak and report.margin != margin:
-        return margin
-    return None
 
 
 def _check_plans(plans: List[Plan], round_number: int) -> None:
@@ -501,14 +488,6 @@ def _check_plans(plans: List[Plan], round_number: int) -> None:
     raise ValueError(
         f"memsaving.fit_to_budget: the step {made}. The step must call memsaving.gradients(..., budget=...) "
         "(with the budget passed here) so that it can be replanned for the measured peak.")
-
-
-def planner_said(error: Exception) -> str:
-    """The planner's BudgetError message without AutoGraph's traceback and without
-    its ``(N bytes)`` figure (a predicted budget, which must not be read as
-    the measured ``smallest_budget`` of the calibration's error)."""
-    text = str(error).split("BudgetError: ")[-1].strip()
-    return re.sub(r"\s*\(\d+ bytes\)", "", text).rstrip(".")
 
 
 def _say(verbose: bool, line: str) -> None:

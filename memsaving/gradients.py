@@ -380,7 +380,7 @@ def _candidate_pool(checkpoints, fwd, model) -> tuple:
     return resolve_checkpoints(checkpoints, fwd, model), None
 
 
-def _hybrid_plan(model, fwd, checkpoints, budget, kwargs, keep_x) -> Plan:
+def _hybrid_plan(model, fwd, checkpoints, budget, kwargs, keep_x, or_lowest: bool = False) -> Plan:
     """``swap="auto"``: keep / swap / recompute chosen together (memsaving.hybrid)."""
     if budget is None:
         raise ValueError("swap='auto' chooses between recomputing and swapping under a memory budget: "
@@ -388,7 +388,8 @@ def _hybrid_plan(model, fwd, checkpoints, budget, kwargs, keep_x) -> Plan:
     budget_bytes = parse_bytes(budget)
     pool, cut_bytes = _candidate_pool(checkpoints, fwd, model)
     cost = _cost_model(kwargs)
-    result = plan_hybrid(model, pool, budget_bytes, cost=cost, keep_x_gradients=keep_x, cut_bytes=cut_bytes)
+    result = plan_hybrid(model, pool, budget_bytes, cost=cost, keep_x_gradients=keep_x, cut_bytes=cut_bytes,
+                         or_lowest=or_lowest)
     return make_plan(model, result.best.checkpoint_ops, "hybrid", budget=budget_bytes, keep_x_gradients=keep_x,
                      swapped=result.best.swapped, cost=cost, inplace=True)
 
@@ -450,7 +451,7 @@ def _plan(ys, xs, checkpoints, budget, kwargs, seeded_with_ones: bool = True) ->
     profile = _profile_mode(kwargs.get("profile"), checkpoints, budget)
     model = graph_model(fwd, batch_size=batch_size, profile=profile, seeded_with_ones=seeded_with_ones,
                         in_use_bytes=bytes_in_use())
-    fwd, plan_ = _plan_for_model(fwd, model, checkpoints, planned_for, kwargs)
+    fwd, plan_ = _plan_for_model(fwd, model, checkpoints, planned_for, kwargs, _calibration.planning_or_lowest())
     if planned_for is not budget:
         plan_.budget = parse_bytes(budget)  # the budget asked for; the predicted peak fits the lower one
     plan_.batch_size = batch_size
@@ -458,14 +459,15 @@ def _plan(ys, xs, checkpoints, budget, kwargs, seeded_with_ones: bool = True) ->
     return fwd, plan_
 
 
-def _plan_for_model(fwd, model, checkpoints, budget, kwargs) -> tuple:
-    """The plan for ``model`` (the sized graph model of ``fwd``)."""
+def _plan_for_model(fwd, model, checkpoints, budget, kwargs, or_lowest: bool = False) -> tuple:
+    """The plan for ``model`` (the sized graph model of ``fwd``); with ``or_lowest``, a budget
+    nothing fits gets the lowest plan found instead of a BudgetError."""
     keep_x = bool(kwargs.get("keep_x_gradients", False))
     swap = kwargs.get("swap")
     if swap is not None and swap is not False:
         _swap_options(kwargs)  # bad options fail before any planning
         if swap == "auto":
-            return fwd, _hybrid_plan(model, fwd, checkpoints, budget, kwargs, keep_x)
+            return fwd, _hybrid_plan(model, fwd, checkpoints, budget, kwargs, keep_x, or_lowest)
         if isinstance(swap, str):
             _swapped(swap, fwd, model, [])
     if budget is None:
@@ -481,7 +483,8 @@ def _plan_for_model(fwd, model, checkpoints, budget, kwargs) -> tuple:
             "budget= found no candidate checkpoint (the graph between xs and ys has no cut); "
             "pass checkpoints=[tensors] as the candidates to choose from."
         )
-    chosen = plan_for_budget(model, pool, budget_bytes, keep_x_gradients=keep_x, cut_bytes=cut_bytes)
+    chosen = plan_for_budget(model, pool, budget_bytes, keep_x_gradients=keep_x, cut_bytes=cut_bytes,
+                             or_lowest=or_lowest)
     swapped = _swapped(swap, fwd, model, chosen.checkpoint_ops, chosen.inner)
     return fwd, make_plan(model, chosen.checkpoint_ops, "budget", budget=budget_bytes,
                           keep_x_gradients=keep_x, inner=chosen.inner, swapped=swapped,

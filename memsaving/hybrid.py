@@ -80,15 +80,19 @@ def plan_hybrid(
     cut_bytes: Optional[Sequence[float]] = None,
     max_rounds: int = 40,
     max_evaluations: int = 800,
+    or_lowest: bool = False,
 ) -> HybridResult:
     """Keep / swap / recompute under ``budget`` (bytes), fastest predicted step.
 
     The greedy stops after ``max_rounds`` changes or ``max_evaluations``
     simulated plans, whichever comes first (each round simulates every
-    possible change once).
+    possible change once).  ``or_lowest``: when nothing fits, return the
+    lowest-peak plan reached instead of raising (as
+    :func:`memsaving.budget.plan_for_budget` does).
 
     Raises:
-      BudgetError: neither pure plan nor any hybrid the greedy reached fits.
+      BudgetError: neither pure plan nor any hybrid the greedy reached fits
+        (and not ``or_lowest``).
     """
     cost = cost or CostModel()
     recompute_only = None
@@ -128,15 +132,18 @@ def plan_hybrid(
         if _move_score(candidate, budget) >= _move_score(current, budget):
             break
         current = candidate
-    pool = [p for p in visited + [recompute_only, swap_only] if p is not None and p.fits(budget)]
+    reached = [p for p in visited + [recompute_only, swap_only] if p is not None]
+    pool = [p for p in reached if p.fits(budget)]
     if not pool:
-        lowest = min([p for p in visited + [recompute_only, swap_only] if p is not None], key=lambda p: p.peak)
-        floor = feasible_budget(lowest.peak)
-        raise BudgetError(
-            f"no recompute / swap plan fits the budget of {format_bytes(budget)}; the smallest feasible "
-            f"budget found is {format_bytes(floor)} ({floor} bytes). Raise the budget, "
-            "or reduce the batch size."
-        )
+        lowest = min(reached, key=lambda p: p.peak)
+        if not or_lowest:
+            floor = feasible_budget(lowest.peak)
+            raise BudgetError(
+                f"no recompute / swap plan fits the budget of {format_bytes(budget)}; the smallest feasible "
+                f"budget found is {format_bytes(floor)} ({floor} bytes). Raise the budget, "
+                "or reduce the batch size."
+            )
+        pool = [lowest]
     best = min(pool, key=lambda p: (p.seconds, p.peak))
     if best.name != "hybrid":
         best = ScoredPlan("hybrid", best.checkpoint_ops, best.swapped, best.peak, best.seconds, best.recompute_cost)

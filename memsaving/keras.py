@@ -39,9 +39,9 @@ import keras
 import tensorflow as tf
 
 from memsaving.budget import format_bytes, parse_bytes
-from memsaving.errors import BudgetError, PeakMemoryUnavailableError
+from memsaving.errors import PeakMemoryUnavailableError
 from memsaving.fit_budget import (MEASURED_STEPS, Calibration, CalibrationRound, budget_margin, calibration_error,
-                                  margin_at_floor, next_margin, planner_said, planning_budget_for)
+                                  next_margin, planning_budget_for, why_nothing_fits)
 from memsaving.gradients import gradients_and_plan
 from memsaving.measure import default_device, reset_peak
 from memsaving.planning import Plan
@@ -402,9 +402,9 @@ class _Calibrator:
     builds another train function; above, the excess
     plus 2% of ``B`` is added to the margin and the train function is
     rebuilt, so the next step is traced and planned again.  ``max_rounds``
-    rounds above the budget in a row raise ``BudgetError``; when the lowered
-    budget is below what the planner can reach, the step is planned at the
-    planner's smallest feasible budget once.  Steps of a
+    rounds above the budget in a row raise ``BudgetError``; when no plan fits
+    the lowered budget as predicted, the step takes the planner's lowest
+    plan, and raises if that one measures above ``B`` too.  Steps of a
     train function already measured are left alone (the allocator's
     statistics are not reset under them).
     """
@@ -434,21 +434,22 @@ class _Calibrator:
             except PeakMemoryUnavailableError:
                 pass  # begin_step says so once, with what to do
 
-    def lower_to_floor(self, model: keras.Model, error: BudgetError) -> None:
-        """The margin asks for less than the planner's smallest feasible budget: plan at that floor
-        when it is below the last measured plan's predicted peak, else raise the rounds measured so far."""
-        budget = self.report.budget
-        # Before any round, fit_to_budget plans at a floor above the budget and measures it; here
-        # that would train real steps of fit at a plan predicted over the budget, so Keras raises.
-        margin = margin_at_floor(self.report, error) if self.report.rounds else None
-        if margin is not None:
-            self.report.margin = margin
-            return
-        raise calibration_error(
-            f"memsaving.keras ({model.name})", budget, self.report.rounds,
-            f"to leave room for the measured excess the planner must plan for "
-            f"{format_bytes(planning_budget_for(budget, self.report.margin))}, and finds no plan that small "
-            f"below the last one measured ({planner_said(error)}). Measured so far:", self.report) from error
+    def check_lowest(self, model: keras.Model, plan: Plan) -> None:
+        """Raise when a trace took the planner's lowest plan and it is predicted no lower than the
+        last plan measured: there is nothing lower left to try."""
+        rounds, budget = self.report.rounds, self.report.budget
+        lowest = plan.predicted_peak > planning_budget_for(budget, self.report.margin)
+        if rounds and lowest and plan.predicted_peak >= rounds[-1].predicted_peak:
+            raise calibration_error(f"memsaving.keras ({model.name})", budget, rounds,
+                                    why_nothing_fits(budget, rounds, self.max_rounds), self.report)
+
+    @property
+    def or_lowest(self) -> bool:
+        """Whether a trace takes the planner's lowest plan for a lowered budget nothing fits as
+        predicted.  Not before the first round: fit_to_budget measures that plan there, but Keras
+        would train real steps of ``fit`` at a plan predicted over the user's budget, so the
+        planner's BudgetError is raised instead."""
+        return bool(self.report.rounds)
 
     def begin_step(self, model: keras.Model) -> bool:
         """Before a step: reset the allocator's peak if the step runs a train function not judged yet
@@ -505,6 +506,10 @@ class _Calibrator:
             _say(line, settings)
             return
         self.over += 1
+        if current.lowest:  # no budget gives a lower plan
+            _say(line, settings)
+            raise calibration_error(f"memsaving.keras ({model.name})", budget, report.rounds,
+                                    why_nothing_fits(budget, report.rounds, self.max_rounds), self.report)
         if self.over >= self.max_rounds:
             _say(line, settings)
             raise calibration_error(
@@ -630,18 +635,13 @@ def _train_step(self: keras.Model, data):
         weights = self.trainable_weights
         unknown_size, batch, source = _plan_batch(self, x, settings)
         calibrator = settings["calibrator"]
-        while True:
-            with budget_margin(calibrator.margin) if calibrator else contextlib.nullcontext():
-                try:
-                    grads, plan = gradients_and_plan(
-                        loss, weights, checkpoints=settings["checkpoints"], budget=settings["budget"],
-                        batch_size=unknown_size, swap=settings["swap"] or None,
-                    )
-                    break
-                except BudgetError as error:
-                    if calibrator is None or not calibrator.margin:
-                        raise
-                    calibrator.lower_to_floor(self, error)  # plan at the planner's floor, or raise
+        with budget_margin(calibrator.margin, calibrator.or_lowest) if calibrator else contextlib.nullcontext():
+            grads, plan = gradients_and_plan(
+                loss, weights, checkpoints=settings["checkpoints"], budget=settings["budget"],
+                batch_size=unknown_size, swap=settings["swap"] or None,
+            )
+        if calibrator:
+            calibrator.check_lowest(self, plan)
         plan.batch_size = batch
         plan.batch_source = source
         if calibrator:
