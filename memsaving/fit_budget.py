@@ -33,7 +33,7 @@ import tensorflow as tf
 
 from memsaving.budget import format_bytes, parse_bytes
 from memsaving.errors import BudgetError
-from memsaving.measure import measure_peak
+from memsaving.measure import bytes_in_use, measure_peak
 from memsaving.planning import Plan
 
 logger = logging.getLogger("memsaving")
@@ -53,6 +53,13 @@ SLACK = 0.02
 """Fraction of the budget added to each measured excess: the next plan aims a
 little lower than the excess alone, so a peak that moves by a few kilobytes
 from one trace to the next does not cost another round."""
+
+TRACES_AHEAD = 2
+"""Traces a calibration called again makes before it measures the lowest plan
+(at most: the plan for the budget, then the lowest one).  A step whose every
+trace leaves memory on the device (a model that caches tensors per trace)
+measures that much higher each time; a BudgetError's ``smallest_budget``
+allows for this many more traces' worth."""
 
 HEADROOM = 0.02
 """Fraction of the budget :func:`fit_to_budget` wants a round's measured peak
@@ -172,6 +179,11 @@ class Calibration:
     """Index in ``rounds`` of the round whose step was returned, when it is
     not the last (:func:`fit_to_budget` fell back to an earlier round)."""
 
+    held_per_trace: int = 0
+    """Bytes the device held more after a failed :func:`fit_to_budget` than
+    before it, per trace of the step (0 when nothing more, or not measured):
+    a BudgetError's ``smallest_budget`` allows for more traces' worth."""
+
     @property
     def _final(self) -> Optional[CalibrationRound]:
         if not self.rounds:
@@ -207,17 +219,20 @@ def next_margin(margin: int, measured: int, budget: int, predicted: int) -> int:
     return max(margin + (measured - budget) + int(math.ceil(SLACK * budget)), budget - predicted + 1)
 
 
-def smallest_measured_budget(rounds: Sequence[CalibrationRound]) -> Optional[int]:
-    """A budget some measured plan fits: the lowest measured peak plus :data:`SLACK` of it.
+def smallest_measured_budget(rounds: Sequence[CalibrationRound], held_per_trace: int = 0) -> Optional[int]:
+    """A budget some measured plan fits: the lowest measured peak plus :data:`SLACK` of it,
+    plus :data:`TRACES_AHEAD` times ``held_per_trace``.
 
     The lowest peak alone is one sample of a figure that moves a little from
     run to run; a budget equal to it is met about half the time when the
-    same plan is measured again.  None when nothing was measured.
+    same plan is measured again.  ``held_per_trace``: the bytes each trace of
+    the step left on the device, which a calibration at this budget will
+    trace again.  None when nothing was measured.
     """
     if not rounds:
         return None
     lowest = min(r.measured_peak for r in rounds)
-    return lowest + int(math.ceil(SLACK * lowest))
+    return lowest + int(math.ceil(SLACK * lowest)) + TRACES_AHEAD * max(0, int(held_per_trace))
 
 
 def calibration_error(what: str, budget: int, rounds: Sequence[CalibrationRound], reason: str,
@@ -233,13 +248,17 @@ def calibration_error(what: str, budget: int, rounds: Sequence[CalibrationRound]
     """
     lines = [f"{what}: {reason}"]
     lines += [f"  round {n}: {r.describe(budget)}" for n, r in enumerate(rounds, 1)]
-    smallest = smallest_measured_budget(rounds)
+    held_per_trace = calibration.held_per_trace if calibration is not None else 0
+    smallest = smallest_measured_budget(rounds, held_per_trace)
     if smallest is not None:
         best = min(range(len(rounds)), key=lambda n: rounds[n].measured_peak)
+        held = (f", and {TRACES_AHEAD} x {format_bytes(held_per_trace)}: the device held that much more per "
+                "trace of the step after calibration than before it (tensors kept by the model or by "
+                "TensorFlow's caches), and a calibration traces the step again" if held_per_trace > 0 else "")
         lines.append(f"The smallest budget to ask for is {format_bytes(smallest)} ({smallest} bytes): the lowest "
                      f"peak measured, {format_bytes(rounds[best].measured_peak)} in round {best + 1}, plus "
-                     f"{SLACK:.0%} for the run-to-run variation of a step's peak. Raise the budget to at least "
-                     "that, allow more rounds, or reduce the batch size.")
+                     f"{SLACK:.0%} for the run-to-run variation of a step's peak{held}. Raise the budget to at "
+                     "least that, allow more rounds, or reduce the batch size.")
     else:
         lines.append("Raise the budget or reduce the batch size.")
     error = BudgetError("\n".join(lines))
@@ -329,7 +348,9 @@ def fit_to_budget(
         above it; the message lists every round, and
         ``.smallest_budget`` is the lowest peak measured plus 2% (a budget
         that round's plan fits, with room for the peak's run-to-run
-        variation); ``.calibration`` holds the rounds.
+        variation), plus twice what each trace of the step left on the
+        device, if anything (:func:`smallest_measured_budget`);
+        ``.calibration`` holds the rounds.
     """
     target = _check_arguments(step_fn, budget, max_rounds)
     python_fn = getattr(step_fn, "python_function", step_fn)  # a tf.function would not retrace
@@ -337,10 +358,13 @@ def fit_to_budget(
     headroom = int(math.ceil(HEADROOM * target))
     snapshot: Optional[List[tuple]] = None
     fallback: Optional[_Fitting] = None  # the lowest round that fits only within the headroom
+    gc.collect()
+    in_use_at_start, traces = bytes_in_use(device), 0
     try:
         for round_number in range(1, max_rounds + 1):
             step, plans = _traced(python_fn, report.margin, or_lowest=True)
             concrete = step.get_concrete_function(*args, **kwargs)
+            traces += 1
             _check_plans(plans, round_number)
             planned_for = planning_budget_for(target, report.margin)
             predicted = max(p.predicted_peak for p in plans)
@@ -378,6 +402,7 @@ def fit_to_budget(
             report.chosen, report.plans, report.margin = fallback.index, fallback.plans, fallback.margin
             fallback.step.calibration = report
             return fallback.step
+        report.held_per_trace = max(0, bytes_in_use(device) - in_use_at_start) // traces
         raise calibration_error("memsaving.fit_to_budget", target, report.rounds,
                                 why_nothing_fits(target, report.rounds, max_rounds), report)
     finally:
