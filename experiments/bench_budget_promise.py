@@ -47,7 +47,8 @@ exactly like the other steps (one warm-up run, ``--repeat`` runs under
 ``measure_peak``, the largest counts), and the "cal" columns give the rounds
 fit_to_budget used, its own last measured peak, the re-measured peak over
 the budget and whether it fits.  When fit_to_budget raises ``BudgetError``
-its ``smallest_budget`` (the lowest peak it measured) is recorded and
+its ``smallest_budget`` (the lowest peak it measured, plus 2% and what each
+trace left on the device) is recorded and
 fit_to_budget is run again at that budget (once per distinct value), the
 result measured against it.  At a budget no plan meets even as predicted,
 fit_to_budget measures the planner's lowest plan: it is returned when it
@@ -95,7 +96,6 @@ import tensorflow as tf
 
 from experiments.report import Table, machine
 from memsaving import models
-from memsaving.fit_budget import SLACK
 
 FRACTIONS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 QUICK_FRACTIONS = (0.4, 0.6, 0.8)
@@ -393,9 +393,10 @@ def source_state() -> str:
 
 
 def calibrate_case(model, case: Case, repeat: int, budget: int, plain_peak: int, result: ModelResult,
-                   label: str, at_smallest: Dict[int, tuple]) -> list:
+                   label: str, at_smallest: Dict[int, tuple], lowest_measured: Optional[list] = None) -> list:
     """The ``CAL_COLUMNS`` of one feasible budget case: fit_to_budget at ``budget`` re-measured, or its
-    BudgetError and fit_to_budget again at the error's smallest_budget (cached in ``at_smallest``)."""
+    BudgetError and fit_to_budget again at the error's smallest_budget (cached in ``at_smallest``).
+    After a BudgetError, the lowest peak its rounds measured is appended to ``lowest_measured``."""
     start = time.perf_counter()
     try:
         progress(result.name, f"  calibrated: fit_to_budget at {budget / MIB:.1f} MiB")
@@ -404,6 +405,8 @@ def calibrate_case(model, case: Case, repeat: int, budget: int, plain_peak: int,
         except memsaving.BudgetError as error:
             calibration = getattr(error, "calibration", None)
             rounds = len(calibration.rounds) if calibration is not None else None
+            if lowest_measured is not None and calibration is not None and calibration.rounds:
+                lowest_measured.append(min(r.measured_peak for r in calibration.rounds))
             smallest = error.smallest_budget
             if smallest is None:
                 result.failures.append(f"{label} calibrated: BudgetError without smallest_budget: {_short(error)}")
@@ -470,6 +473,7 @@ def sweep(name: str, quick: bool, fractions, repeat: int, calibrate: bool = Fals
     at_smallest: Dict[int, Measured] = {}
     cal_at_smallest: Dict[int, tuple] = {}
     floor_cal: Optional[list] = None  # the calibrated columns of an infeasible fraction that raised
+    floor_peak: List[int] = []  # the lowest peak its rounds measured
     for fraction in fractions:
         budget = int(fraction * plain_peak)
         progress(name, f"budget {fraction:.2f} x measured plain = {budget / MIB:.1f} MiB")
@@ -494,15 +498,16 @@ def sweep(name: str, quick: bool, fractions, repeat: int, calibrate: bool = Fals
             s = at_smallest[smallest]
             cal = NO_CAL
             if calibrate:
-                if floor_cal is not None and budget < floor_cal[6] * MIB / (1 + SLACK):
+                if floor_cal is not None and budget < floor_peak[-1]:
                     progress(name, "  calibrated: below the lowest plan measured at a lower fraction; same "
                                    "outcome as there")
                     cal = floor_cal
                 else:
+                    lowest: List[int] = []
                     cal = calibrate_case(model, case, repeat, budget, plain_peak, result,
-                                         f"budget {fraction:.2f} (infeasible as predicted)", cal_at_smallest)
-                    if cal[0] == "BudgetError" and cal[6] is not None:
-                        floor_cal = cal
+                                         f"budget {fraction:.2f} (infeasible as predicted)", cal_at_smallest, lowest)
+                    if cal[0] == "BudgetError" and lowest:
+                        floor_cal, floor_peak = cal, lowest
             result.rows.append([
                 name, "budget", fraction, _mib(smallest), "infeasible", _mib(s.peak) if s else None,
                 _mib(min(s.peaks)) if s else None, _mib(s.plan.predicted_peak) if s else None,
