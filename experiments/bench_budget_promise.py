@@ -473,7 +473,7 @@ def sweep(name: str, quick: bool, fractions, repeat: int, calibrate: bool = Fals
     at_smallest: Dict[int, Measured] = {}
     cal_at_smallest: Dict[int, tuple] = {}
     floor_cal: Optional[list] = None  # the calibrated columns of an infeasible fraction that raised
-    floor_peak: List[int] = []  # the lowest peak its rounds measured
+    floor_peak = 0  # the lowest peak its rounds measured
     for fraction in fractions:
         budget = int(fraction * plain_peak)
         progress(name, f"budget {fraction:.2f} x measured plain = {budget / MIB:.1f} MiB")
@@ -498,7 +498,7 @@ def sweep(name: str, quick: bool, fractions, repeat: int, calibrate: bool = Fals
             s = at_smallest[smallest]
             cal = NO_CAL
             if calibrate:
-                if floor_cal is not None and budget < floor_peak[-1]:
+                if floor_cal is not None and budget < floor_peak:
                     progress(name, "  calibrated: below the lowest plan measured at a lower fraction; same "
                                    "outcome as there")
                     cal = floor_cal
@@ -507,7 +507,7 @@ def sweep(name: str, quick: bool, fractions, repeat: int, calibrate: bool = Fals
                     cal = calibrate_case(model, case, repeat, budget, plain_peak, result,
                                          f"budget {fraction:.2f} (infeasible as predicted)", cal_at_smallest, lowest)
                     if cal[0] == "BudgetError" and lowest:
-                        floor_cal, floor_peak = cal, lowest
+                        floor_cal, floor_peak = cal, lowest[0]
             result.rows.append([
                 name, "budget", fraction, _mib(smallest), "infeasible", _mib(s.peak) if s else None,
                 _mib(min(s.peaks)) if s else None, _mib(s.plan.predicted_peak) if s else None,

@@ -130,6 +130,20 @@ def record_plan(plan: Plan) -> None:
         record.plans.append(plan)
 
 
+def is_lowest_plan(planned_for: int, predicted: int) -> bool:
+    """True when a plan is predicted above the budget it was planned for: no
+    plan fitted it, and the planner gave its lowest plan (``or_lowest``).
+    That plan does not depend on the budget, so no lower budget gives a
+    lower plan."""
+    return predicted > planned_for
+
+
+def nothing_lower_to_try(rounds: Sequence[CalibrationRound], planned_for: int, predicted: int) -> bool:
+    """True when a new trace got the planner's lowest plan and it is predicted
+    no lower than the last plan measured: measuring it cannot help."""
+    return bool(rounds) and is_lowest_plan(planned_for, predicted) and predicted >= rounds[-1].predicted_peak
+
+
 @dataclass(frozen=True)
 class CalibrationRound:
     """One measured step: what was planned for, predicted and measured (bytes)."""
@@ -143,11 +157,8 @@ class CalibrationRound:
 
     @property
     def lowest(self) -> bool:
-        """True when no plan fitted ``planned_for`` as predicted and the planner gave its lowest plan.
-
-        That plan does not depend on the budget, so no lower budget gives a
-        lower plan."""
-        return self.predicted_peak > self.planned_for
+        """The round measured the planner's lowest plan (:func:`is_lowest_plan`)."""
+        return is_lowest_plan(self.planned_for, self.predicted_peak)
 
     def describe(self, budget: int) -> str:
         verdict = "fits" if self.measured_peak <= budget else "over"
@@ -305,9 +316,10 @@ def fit_to_budget(
     its measured peak (the highest of four runs), and its
     ``smallest_budget`` is a figure measured, not predicted.
 
-    **Every round runs the step three times for real**: optimizer updates
-    and other side effects happen (3 to ``3 * max_rounds`` training steps
-    on the data given).  Pass ``restore_variables=True`` to put every
+    **Every round runs the step three times for real** (five when it
+    measures the lowest plan, which ends calibration): optimizer updates
+    and other side effects happen (3 to ``3 * max_rounds + 2`` training
+    steps on the data given).  Pass ``restore_variables=True`` to put every
     variable the step reads or writes (weights, optimizer slots and
     counters, random generator states) back to its value from before
     calibration; the copies are held in host memory, outside TensorFlow's
@@ -328,7 +340,7 @@ def fit_to_budget(
         ``restore_variables`` and ``verbose`` are this function's own.
       budget: bytes, or a string such as ``"512MiB"``.
       max_rounds: how many plans to measure at most (each costs a trace and
-        three steps).
+        three steps, five for the lowest plan).
       device: where to measure (default: the first GPU, else the CPU).
       restore_variables: undo the calibration's training steps (see above).
       verbose: print one line per round.
@@ -368,12 +380,12 @@ def fit_to_budget(
             _check_plans(plans, round_number)
             planned_for = planning_budget_for(target, report.margin)
             predicted = max(p.predicted_peak for p in plans)
-            if report.rounds and predicted > planned_for and predicted >= report.rounds[-1].predicted_peak:
-                break  # the planner's lowest plan is no lower than the plan just measured
+            if nothing_lower_to_try(report.rounds, planned_for, predicted):
+                break
             if restore_variables and snapshot is None:
                 snapshot = [(v, np.array(v.numpy(), copy=True)) for v in concrete.variables]
             step(*args, **kwargs)  # warm-up: the first run of a graph allocates once-only buffers
-            steps = LOWEST_MEASURED_STEPS if predicted > planned_for else MEASURED_STEPS
+            steps = LOWEST_MEASURED_STEPS if is_lowest_plan(planned_for, predicted) else MEASURED_STEPS
             measured = max(measure_peak(step, *args, device=device, **kwargs) for _ in range(steps))
             current = CalibrationRound(planned_for, predicted, measured)
             report.rounds.append(current)

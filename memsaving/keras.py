@@ -41,7 +41,7 @@ import tensorflow as tf
 from memsaving.budget import format_bytes, parse_bytes
 from memsaving.errors import PeakMemoryUnavailableError
 from memsaving.fit_budget import (MEASURED_STEPS, Calibration, CalibrationRound, budget_margin, calibration_error,
-                                  next_margin, planning_budget_for, why_nothing_fits)
+                                  next_margin, nothing_lower_to_try, planning_budget_for, why_nothing_fits)
 from memsaving.gradients import gradients_and_plan
 from memsaving.measure import default_device, reset_peak
 from memsaving.planning import Plan
@@ -438,8 +438,7 @@ class _Calibrator:
         """Raise when a trace took the planner's lowest plan and it is predicted no lower than the
         last plan measured: there is nothing lower left to try."""
         rounds, budget = self.report.rounds, self.report.budget
-        lowest = plan.predicted_peak > planning_budget_for(budget, self.report.margin)
-        if rounds and lowest and plan.predicted_peak >= rounds[-1].predicted_peak:
+        if nothing_lower_to_try(rounds, planning_budget_for(budget, self.report.margin), plan.predicted_peak):
             raise calibration_error(f"memsaving.keras ({model.name})", budget, rounds,
                                     why_nothing_fits(budget, rounds, self.max_rounds), self.report)
 
@@ -506,16 +505,12 @@ class _Calibrator:
             _say(line, settings)
             return
         self.over += 1
-        if current.lowest:  # no budget gives a lower plan
+        if current.lowest or self.over >= self.max_rounds:  # the lowest plan: no budget gives a lower one
             _say(line, settings)
-            raise calibration_error(f"memsaving.keras ({model.name})", budget, report.rounds,
-                                    why_nothing_fits(budget, report.rounds, self.max_rounds), self.report)
-        if self.over >= self.max_rounds:
-            _say(line, settings)
-            raise calibration_error(
-                f"memsaving.keras ({model.name})", budget, report.rounds,
-                f"the measured peak of the train step stays above the budget of {format_bytes(budget)} after "
-                f"{self.over} round(s) in a row (enable(calibration_rounds={self.max_rounds})):", self.report)
+            reason = (why_nothing_fits(budget, report.rounds, self.max_rounds) if current.lowest else
+                      f"the measured peak of the train step stays above the budget of {format_bytes(budget)} after "
+                      f"{self.over} round(s) in a row (enable(calibration_rounds={self.max_rounds})):")
+            raise calibration_error(f"memsaving.keras ({model.name})", budget, report.rounds, reason, self.report)
         report.margin = next_margin(report.margin, measured, budget, current.predicted_peak)
         _say(f"{line}; replanning for {format_bytes(planning_budget_for(budget, report.margin))}", settings)
         model.make_train_function(force=True)  # the next step traces, and plans, again
