@@ -339,7 +339,9 @@ def test_memory_each_trace_leaves_on_the_device_is_in_the_smallest_budget():
     assert len(kept) == len(rounds) == 1
     smallest = caught.value.smallest_budget
     held = caught.value.calibration.held_per_trace
-    assert MiB <= held <= MiB + 128 * 1024  # the tensor, and maybe a first trace's cached constants
+    # The tensor, and what the device keeps once after a first trace: a 316 KiB allocation stays in
+    # about one run in three of this file (the figure then reads 1,372,928 bytes).
+    assert MiB <= held <= MiB + 512 * 1024
     assert smallest == _lowest_plus_slack(rounds, held)
     step = memsaving.fit_to_budget(keeps_a_tensor_per_trace(smallest), mlp.x, budget=smallest, max_rounds=6,
                                    restore_variables=True)
