@@ -180,7 +180,7 @@ def make_plan(
     inplace = bool(swapped) if inplace is None else inplace
     sim = simulate(model, kept=kept, keep_x_gradients=keep_x_gradients, inner=inner, swapped=swapped, cost=cost,
                    inplace=inplace)
-    plain = simulate(model, keep_x_gradients=keep_x_gradients, cost=cost)
+    plain = simulate(model, keep_x_gradients=keep_x_gradients, cost=cost, unpinned=True)
     segments = []
     steps = []
     for unit in backward_units(model, kept, inner, inplace=inplace):

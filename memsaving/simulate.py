@@ -15,8 +15,10 @@ kernels of their own (:func:`consumed_at_once`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+from memsaving.executor import unpinned_orders
 from memsaving.graph import GraphModel, OpInfo, gradient_sinks, receives_gradient
 from memsaving.schedule import Inner, Unit, backward_units, kept_set, recomputes_anchor
 from memsaving.swap import CostModel, add_swaps, timed_replay
@@ -158,6 +160,7 @@ def simulate(
     swapped: Iterable[int] = (),
     cost: Optional[CostModel] = None,
     inplace: Optional[bool] = None,
+    unpinned: bool = False,
 ) -> Simulation:
     """Replay the gradient computation that keeps ``checkpoint_ops``.
 
@@ -178,12 +181,19 @@ def simulate(
         step is also timed on three streams, and the peak is the timed one.
       inplace: differentiate kept ops whose inputs are all kept where they
         are instead of recomputing them (default: only when swapping).
+      unpinned: the step runs with no order added (plain ``tf.gradients``):
+        on a model whose executor runs several kernels at once, replay the
+        actions in the orders :func:`memsaving.executor.unpinned_orders`
+        gives instead of the order they were written in, and score the one
+        of median peak.
     """
     if kept is None:
         kept = kept_set(model, checkpoint_ops)
     swapped = set(swapped)
     units = backward_units(model, kept, inner, inplace=bool(swapped) if inplace is None else inplace)
     actions, unit_ends = _actions(model, kept, units)
+    if unpinned and model.ready_gradients_early and not swapped:
+        actions, unit_ends = _median_executor_order(actions, unit_ends, keep_x_gradients, model)
     pinned = {("g", x) for x in gradient_sinks(model)} if keep_x_gradients else set()
     step_seconds = timed_peak = None
     if swapped or cost is not None:
@@ -209,6 +219,25 @@ def simulate(
         step_seconds=step_seconds,
         swapped_bytes=int(sum(a.cost for a in actions if a.stream != "compute")),
     )
+
+
+def _median_executor_order(actions: List[Action], unit_ends: List[int], keep_x_gradients: bool,
+                           model: GraphModel) -> Tuple[List[Action], List[int]]:
+    """The actions in the executor's order (:func:`memsaving.executor.unpinned_orders`)
+    whose replay has the median peak, and the unit ends in that order (a
+    unit ends when all its actions have started)."""
+    pinned = {("g", x) for x in gradient_sinks(model)} if keep_x_gradients else set()
+    runs = []
+    for order in unpinned_orders(actions):
+        reordered = [actions[i] for i in order]
+        runs.append((memory_replay(reordered, pinned)[1], order, reordered))
+    runs.sort(key=lambda run: run[0])
+    _, order, reordered = runs[len(runs) // 2]
+    position = [0] * len(order)
+    for k, j in enumerate(order):
+        position[j] = k
+    last_started = list(accumulate(position, max))
+    return reordered, [last_started[end] for end in unit_ends]
 
 
 def _shifted(unit_ends: List[int], actions: List[Action]) -> List[int]:
