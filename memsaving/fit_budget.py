@@ -66,7 +66,27 @@ HEADROOM = 0.02
 to stay under before it stops.  The same step measured again later, after
 other work has changed what the allocator holds, can measure a little higher
 than in its calibration rounds.  A round that fits only within the headroom
-is kept, and returned when no later round fits with room."""
+is kept, and returned when no later round fits with room.  A step whose
+measured runs differ by more than the headroom is given that spread instead
+(:func:`room_needed`)."""
+
+
+def room_needed(budget: int, peaks: Sequence[int]) -> int:
+    """Bytes a round's highest measured peak must stay below ``budget``: the
+    :data:`HEADROOM`, or the spread of the round's peaks when that is larger.
+
+    A step whose peak moved by ``spread`` between two runs of one trace can
+    move as much again in the runs that follow; the headroom alone covers
+    only steps that repeat to within 2%.
+
+    Examples
+    --------
+    >>> room_needed(1000, [900, 905])   # repeats: the 2% headroom
+    20
+    >>> room_needed(1000, [900, 950])   # moved by 50 between runs
+    50
+    """
+    return max(int(math.ceil(HEADROOM * budget)), max(peaks) - min(peaks))
 
 
 @dataclass
@@ -153,7 +173,10 @@ class CalibrationRound:
     predicted_peak: int
     """The largest predicted peak among the step's plans."""
     measured_peak: int
-    """The allocator's peak during the step (everything on the device)."""
+    """The allocator's peak during the step (everything on the device); the
+    highest of the round's measured runs."""
+    spread: int = 0
+    """The highest less the lowest peak of the round's measured runs."""
 
     @property
     def lowest(self) -> bool:
@@ -231,19 +254,22 @@ def next_margin(margin: int, measured: int, budget: int, predicted: int) -> int:
 
 
 def smallest_measured_budget(rounds: Sequence[CalibrationRound], held_per_trace: int = 0) -> Optional[int]:
-    """A budget some measured plan fits: the lowest measured peak plus :data:`SLACK` of it,
-    plus :data:`TRACES_AHEAD` times ``held_per_trace``.
+    """A budget some measured plan fits: the lowest measured peak plus :data:`SLACK` of it
+    (or, when larger, the spread of that round's runs), plus :data:`TRACES_AHEAD` times
+    ``held_per_trace``.
 
-    The lowest peak alone is one sample of a figure that moves a little from
-    run to run; a budget equal to it is met about half the time when the
-    same plan is measured again.  ``held_per_trace``: the bytes each trace of
+    The lowest peak alone is one sample of a figure that moves from run to
+    run; a budget equal to it is met about half the time when the same plan
+    is measured again, and a plan whose runs moved by more than 2% can move
+    that much again.  ``held_per_trace``: the bytes each trace of
     the step left on the device, which a calibration at this budget will
     trace again.  None when nothing was measured.
     """
     if not rounds:
         return None
-    lowest = min(r.measured_peak for r in rounds)
-    return lowest + int(math.ceil(SLACK * lowest)) + TRACES_AHEAD * max(0, int(held_per_trace))
+    lowest = min(rounds, key=lambda r: r.measured_peak)
+    room = max(int(math.ceil(SLACK * lowest.measured_peak)), lowest.spread)
+    return lowest.measured_peak + room + TRACES_AHEAD * max(0, int(held_per_trace))
 
 
 def calibration_error(what: str, budget: int, rounds: Sequence[CalibrationRound], reason: str,
@@ -298,14 +324,15 @@ def fit_to_budget(
        higher peak counts (a step's peak moves by a few tensors from one
        run to the next);
     2. if the measured peak is above ``budget`` less a 2% headroom (a step
-       measured again later can read a little higher), add the excess (plus
-       2% of the budget, and at least enough to plan below the plan just
-       measured) to a *margin*, and trace again: every
+       measured again later can read a little higher; when the measured
+       runs differ by more than 2%, less that spread: :func:`room_needed`),
+       add the excess (plus 2% of the budget, and at least enough to plan
+       below the plan just measured) to a *margin*, and trace again: every
        ``memsaving.gradients(..., budget=B)`` in the step now plans for
        ``B - margin``, or, when no plan fits that as predicted, takes the
        planner's lowest plan (measured only if it is predicted below the
        last plan measured);
-    3. stop when the measured peak fits with the headroom.  When the rounds
+    3. stop when the measured peak fits with that room.  When the rounds
        run out, or the lowest plan measures over the budget (no budget gives
        a lower plan), return the lowest round that fits the budget itself,
        if any; else raise.
@@ -358,18 +385,18 @@ def fit_to_budget(
       memsaving.BudgetError: the measured peak is still above ``budget``
         after ``max_rounds`` rounds, or the planner's lowest plan measures
         above it; the message lists every round, and
-        ``.smallest_budget`` is the lowest peak measured plus 2% (a budget
-        that round's plan fits, with room for the peak's run-to-run
-        variation), plus twice what each trace of the step left on the
-        device, if anything (:func:`smallest_measured_budget`);
+        ``.smallest_budget`` is the lowest peak measured plus 2%, or plus
+        the spread of that round's runs when larger (a budget that round's
+        plan fits, with room for the peak's run-to-run variation), plus
+        twice what each trace of the step left on the device, if anything
+        (:func:`smallest_measured_budget`);
         ``.calibration`` holds the rounds.
     """
     target = _check_arguments(step_fn, budget, max_rounds)
     python_fn = getattr(step_fn, "python_function", step_fn)  # a tf.function would not retrace
     report = Calibration(budget=target)
-    headroom = int(math.ceil(HEADROOM * target))
     snapshot: Optional[List[tuple]] = None
-    fallback: Optional[_Fitting] = None  # the lowest round that fits only within the headroom
+    fallback: Optional[_Fitting] = None  # the lowest round that fits only without room
     gc.collect()
     in_use_at_start, traces = bytes_in_use(device), 0
     try:
@@ -386,13 +413,14 @@ def fit_to_budget(
                 snapshot = [(v, np.array(v.numpy(), copy=True)) for v in concrete.variables]
             step(*args, **kwargs)  # warm-up: the first run of a graph allocates once-only buffers
             steps = LOWEST_MEASURED_STEPS if is_lowest_plan(planned_for, predicted) else MEASURED_STEPS
-            measured = max(measure_peak(step, *args, device=device, **kwargs) for _ in range(steps))
-            current = CalibrationRound(planned_for, predicted, measured)
+            peaks = [measure_peak(step, *args, device=device, **kwargs) for _ in range(steps)]
+            measured, room = max(peaks), room_needed(target, peaks)
+            current = CalibrationRound(planned_for, predicted, measured, measured - min(peaks))
             report.rounds.append(current)
             for plan in plans:
                 plan.measured_peak = measured
             _say(verbose, f"memsaving.fit_to_budget: round {round_number}: {current.describe(target)}")
-            if measured <= target - headroom:
+            if measured <= target - room:
                 report.plans = plans
                 step.calibration = report
                 return step
@@ -400,8 +428,8 @@ def fit_to_budget(
                 fallback = _Fitting(len(report.rounds) - 1, step, plans, report.margin)
             if current.lowest:
                 break  # no budget gives a lower plan than the planner's lowest
-            # aim below the budget less the headroom
-            report.margin = next_margin(report.margin, measured + headroom, target, current.predicted_peak)
+            # aim below the budget less the room
+            report.margin = next_margin(report.margin, measured + room, target, current.predicted_peak)
             step = concrete = None
             gc.collect()  # this round's step, unless kept as the fallback: its constants must not count next
         # The last step too: an error's traceback keeps this frame, and what the step holds would
@@ -410,7 +438,8 @@ def fit_to_budget(
         gc.collect()
         if fallback is not None:
             _say(verbose, f"memsaving.fit_to_budget: returning round {fallback.index + 1}, which fits the budget "
-                          f"within the {HEADROOM:.0%} headroom")
+                          f"without the room a later run may need ({HEADROOM:.0%} of the budget, or the spread of its "
+                          "measured runs)")
             report.chosen, report.plans, report.margin = fallback.index, fallback.plans, fallback.margin
             fallback.step.calibration = report
             return fallback.step

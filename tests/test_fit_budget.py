@@ -77,10 +77,12 @@ class MLP:
 
 
 def _lowest_plus_slack(rounds, held_per_trace=0):
-    """What BudgetError.smallest_budget must be: the lowest measured peak plus SLACK of it, plus
-    TRACES_AHEAD times what each trace left on the device (fit_to_budget's errors)."""
-    lowest = min(r.measured_peak for r in rounds)
-    return lowest + math.ceil(SLACK * lowest) + TRACES_AHEAD * held_per_trace
+    """What BudgetError.smallest_budget must be: the lowest measured peak plus SLACK of it (or
+    that round's spread, when larger), plus TRACES_AHEAD times what each trace left on the device
+    (fit_to_budget's errors)."""
+    lowest = min(rounds, key=lambda r: r.measured_peak)
+    return (lowest.measured_peak + max(math.ceil(SLACK * lowest.measured_peak), lowest.spread)
+            + TRACES_AHEAD * held_per_trace)
 
 
 def _show(title, rounds, budget):
@@ -124,8 +126,9 @@ def test_fit_to_budget_replans_until_the_measured_peak_fits():
     # round 1's measured excess and the slack, and every plan met its lowered budget as predicted.
     assert len(rounds) >= 2 or isinstance(outcome, memsaving.BudgetError)
     if len(rounds) >= 2:
-        expected = min(budget - (rounds[0].measured_peak - budget) - math.ceil(HEADROOM * budget)
-                       - math.ceil(SLACK * budget), rounds[0].predicted_peak - 1)
+        room = max(math.ceil(HEADROOM * budget), rounds[0].spread)  # the headroom, or the runs' spread
+        expected = min(budget - (rounds[0].measured_peak - budget) - room - math.ceil(SLACK * budget),
+                       rounds[0].predicted_peak - 1)
         assert rounds[1].planned_for == expected
         assert rounds[1].planned_for < rounds[0].predicted_peak < budget
         assert rounds[1].predicted_peak < rounds[0].predicted_peak  # the planner saw the lower budget
@@ -162,14 +165,20 @@ def test_fit_to_budget_replans_until_the_measured_peak_fits():
 
 def _scripted_peaks(monkeypatch, fractions, budget):
     """Make fit_to_budget read ``fractions[k] * budget`` as the peak of round k+1 (every one of
-    its measured steps), so what it does with a peak inside the headroom is tested exactly."""
+    its measured steps; a tuple gives its steps in turn), so what it does with a peak inside the
+    headroom is tested exactly."""
     import memsaving.fit_budget as fit_budget
-    steps = []
+    steps, calls = [], []
 
     def measure(step, *args, **kwargs):
         if not steps or steps[-1] is not step:
             steps.append(step)  # a new round's step
-        return int(fractions[min(len(steps) - 1, len(fractions) - 1)] * budget)
+            calls.clear()
+        calls.append(step)
+        fraction = fractions[min(len(steps) - 1, len(fractions) - 1)]
+        if isinstance(fraction, tuple):
+            fraction = fraction[(len(calls) - 1) % len(fraction)]
+        return int(fraction * budget)
 
     monkeypatch.setattr(fit_budget, "measure_peak", measure)
 
@@ -187,6 +196,43 @@ def test_a_peak_within_the_headroom_is_replanned_and_returned_when_nothing_fits_
     assert report.margin == 0 and report.plans[0].measured_peak == report.rounds[0].measured_peak
     # round 2 aimed below the budget less the headroom
     assert report.rounds[1].planned_for < budget - math.ceil(HEADROOM * budget)
+
+
+def test_a_round_whose_runs_differ_by_more_than_the_headroom_needs_that_much_room(monkeypatch):
+    """Round 1's two runs differ by 4% of the budget: its higher peak, 2% under the budget, fits
+    the headroom but not the spread, so round 2 plans lower and, steady, is returned."""
+    mlp = MLP()
+    plain, resident = mlp.plain_plan()
+    budget = int(resident + 0.6 * (plain - resident))
+    first = (1 - 6 * HEADROOM, 1 - 2 * HEADROOM)
+    _scripted_peaks(monkeypatch, [first, 1 - 8 * HEADROOM], budget)
+    step = memsaving.fit_to_budget(mlp.step(budget), mlp.x, budget=budget, max_rounds=3)
+    rounds = step.calibration.rounds
+    assert len(rounds) == 2 and step.calibration.chosen is None
+    assert rounds[0].measured_peak == int(first[1] * budget)
+    spread = int(first[1] * budget) - int(first[0] * budget)
+    margin = max(rounds[0].measured_peak + spread - budget + math.ceil(SLACK * budget),
+                 budget - rounds[0].predicted_peak + 1)
+    assert rounds[1].planned_for == budget - margin  # the spread, not the 2% headroom, was taken off
+
+
+def test_smallest_budget_allows_for_the_spread_of_the_lowest_rounds_runs():
+    from memsaving.fit_budget import CalibrationRound, smallest_measured_budget
+    steady = [CalibrationRound(1000, 990, 2000, spread=10), CalibrationRound(900, 890, 1500, spread=5)]
+    assert smallest_measured_budget(steady) == 1500 + 30  # 2% of the lowest peak
+    moving = [CalibrationRound(1000, 990, 2000), CalibrationRound(900, 890, 1500, spread=120)]
+    assert smallest_measured_budget(moving, held_per_trace=7) == 1500 + 120 + TRACES_AHEAD * 7
+
+
+def test_room_needed_examples():
+    import doctest
+
+    from memsaving import fit_budget as module
+    finder = doctest.DocTestFinder()
+    tests = [t for t in finder.find(module) if t.name.endswith("room_needed")]
+    runner = doctest.DocTestRunner()
+    runner.run(tests[0])
+    assert tests[0].examples and runner.failures == 0
 
 
 def test_a_peak_below_the_headroom_ends_calibration(monkeypatch):
