@@ -378,6 +378,11 @@ def test_memory_each_trace_leaves_on_the_device_is_in_the_smallest_budget():
 
     plain, resident = mlp.plain_plan()
     budget = resident + 1
+    # The same calibration without the kept tensor first: the device keeps some memory once, after
+    # a first calibration of a model (316 or 852 KiB, in some runs of the suite and not others),
+    # which one trace cannot tell from memory kept per trace.
+    with pytest.raises(memsaving.BudgetError):
+        memsaving.fit_to_budget(mlp.step(budget), mlp.x, budget=budget, restore_variables=True)
     with pytest.raises(memsaving.BudgetError, match="more per trace of the step") as caught:
         memsaving.fit_to_budget(keeps_a_tensor_per_trace(budget), mlp.x, budget=budget, restore_variables=True)
     rounds = caught.value.calibration.rounds
@@ -385,9 +390,8 @@ def test_memory_each_trace_leaves_on_the_device_is_in_the_smallest_budget():
     assert len(kept) == len(rounds) == 1
     smallest = caught.value.smallest_budget
     held = caught.value.calibration.held_per_trace
-    # The tensor, and what the device keeps once after a first trace: a 316 KiB allocation stays in
-    # about one run in three of this file (the figure then reads 1,372,928 bytes).
-    assert MiB <= held <= MiB + 512 * 1024
+    # the tensor, give or take what stays once (up to 852 KiB) or was freed meanwhile (64 KiB seen)
+    assert MiB - 256 * 1024 <= held <= 2 * MiB
     assert smallest == _lowest_plus_slack(rounds, held)
     step = memsaving.fit_to_budget(keeps_a_tensor_per_trace(smallest), mlp.x, budget=smallest, max_rounds=6,
                                    restore_variables=True)
