@@ -192,9 +192,9 @@ def simulate(
     swapped = set(swapped)
     units = backward_units(model, kept, inner, inplace=bool(swapped) if inplace is None else inplace)
     actions, unit_ends = _actions(model, kept, units)
-    if unpinned and model.ready_gradients_early and not swapped:
-        actions, unit_ends = _median_executor_order(actions, unit_ends, keep_x_gradients, model)
     pinned = {("g", x) for x in gradient_sinks(model)} if keep_x_gradients else set()
+    if unpinned and model.ready_gradients_early and not swapped:
+        actions, unit_ends = _median_executor_order(actions, unit_ends, pinned)
     step_seconds = timed_peak = None
     if swapped or cost is not None:
         cost = cost or CostModel()
@@ -221,12 +221,11 @@ def simulate(
     )
 
 
-def _median_executor_order(actions: List[Action], unit_ends: List[int], keep_x_gradients: bool,
-                           model: GraphModel) -> Tuple[List[Action], List[int]]:
+def _median_executor_order(actions: List[Action], unit_ends: List[int],
+                           pinned: Set[Key]) -> Tuple[List[Action], List[int]]:
     """The actions in the executor's order (:func:`memsaving.executor.unpinned_orders`)
     whose replay has the median peak, and the unit ends in that order (a
     unit ends when all its actions have started)."""
-    pinned = {("g", x) for x in gradient_sinks(model)} if keep_x_gradients else set()
     runs = []
     for order in unpinned_orders(actions):
         reordered = [actions[i] for i in order]
