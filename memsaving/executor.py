@@ -25,15 +25,12 @@ work-stealing queues of its inter-op thread pool):
 Which of the ready ops a thread keeps is the last expensive one in the
 order of the finished op's edges, and that order comes from the rewrites
 the graph went through (Grappler, then the runtime's passes, which replace
-nodes in place), which the graph model does not have: on the two-tower
-network, measured, 17 of 24 layers kept the data gradient and ran ahead,
-the other 7 ran the weight gradient first, and the node order of the final
-graph TensorFlow dumps explained one tower's choices but not the other's.  So the edge order is drawn at
+nodes in place), which the graph model does not have (README, "What is
+left", has the measurements).  So the edge order is drawn at
 random (seeded: the same actions give the same order), and
 :func:`unpinned_orders` gives several such orders for the simulator to
 take the median peak of.  Drawn uniformly, a chain runs ahead at about half
-of its links, fewer than measured there, so that network's plain peak is
-still predicted low.
+of its links.
 
 Examples
 --------
