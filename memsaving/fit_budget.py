@@ -38,12 +38,15 @@ from memsaving.planning import Plan
 
 logger = logging.getLogger("memsaving")
 
-MEASURED_STEPS = 2
+MEASURED_STEPS = 4
 """Steps measured per plan, after the warm-up; the highest peak counts. The
 peak of one traced step moves by a few tensors from one run to the next
-(TensorFlow's executor orders ready ops partly by their measured cost)."""
+(TensorFlow's executor orders ready ops partly by their measured cost, and
+the allocator's choice of free chunk follows that order), and often only
+one run in three or four reaches the high end: two runs alone missed it
+for steps that then measured above their budget when run again."""
 
-LOWEST_MEASURED_STEPS = 4
+LOWEST_MEASURED_STEPS = 6
 """Steps :func:`fit_to_budget` measures of the planner's lowest plan when
 that plan may be the last one it can try: its highest peak is the
 ``smallest_budget`` a BudgetError reports, a figure the same plan must
@@ -320,8 +323,8 @@ def fit_to_budget(
     This function measures it and replans until it fits:
 
     1. trace ``tf.function(step_fn)`` with ``args`` / ``kwargs``, run it once
-       (warm-up), then twice more under :func:`memsaving.measure_peak`; the
-       higher peak counts (a step's peak moves by a few tensors from one
+       (warm-up), then :data:`MEASURED_STEPS` times under
+       :func:`memsaving.measure_peak`; the highest peak counts (a step's peak moves by a few tensors from one
        run to the next);
     2. if the measured peak is above ``budget`` less a 2% headroom (a step
        measured again later can read a little higher; when the measured
@@ -340,12 +343,12 @@ def fit_to_budget(
     A budget that no plan meets even as predicted is not refused outright:
     the first round measures the planner's lowest plan.  Predictions err
     both ways, so it may fit; when it does not, the ``BudgetError`` gives
-    its measured peak (the highest of four runs), and its
+    its measured peak (the highest of :data:`LOWEST_MEASURED_STEPS` runs), and its
     ``smallest_budget`` is a figure measured, not predicted.
 
-    **Every round runs the step three times for real** (five when it
+    **Every round runs the step five times for real** (seven when it
     measures the lowest plan, which ends calibration): optimizer updates
-    and other side effects happen (3 to ``3 * max_rounds + 2`` training
+    and other side effects happen (5 to ``5 * max_rounds + 2`` training
     steps on the data given).  Pass ``restore_variables=True`` to put every
     variable the step reads or writes (weights, optimizer slots and
     counters, random generator states) back to its value from before

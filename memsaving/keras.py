@@ -81,9 +81,9 @@ def enable(
         one line per calibration round.
       calibration_rounds: with ``budget``, how many plans may be measured
         above the budget in a row before ``memsaving.BudgetError`` is raised
-        (0: plan as predicted, never measure). The first two steps each
+        (0: plan as predicted, never measure). The first four steps each
         traced train function runs are measured with the allocator (the
-        higher peak counts; the whole device: weights, optimizer slots and
+        highest peak counts; the whole device: weights, optimizer slots and
         data count); when one is above the budget, the excess plus 2% of the
         budget is taken off the budget the planner plans for and the step is
         traced again for the next steps. Those steps are real training

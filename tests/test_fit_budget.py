@@ -16,7 +16,7 @@ import tensorflow as tf
 
 import memsaving
 import memsaving.keras as mkeras
-from memsaving.fit_budget import HEADROOM, SLACK, TRACES_AHEAD
+from memsaving.fit_budget import HEADROOM, MEASURED_STEPS, SLACK, TRACES_AHEAD
 
 MiB = 2 ** 20
 DEPTH, WIDTH, BATCH = 12, 128, 2048
@@ -545,7 +545,7 @@ def test_train_on_batch_is_measured_once_per_trace():
     model = _keras_mlp(use_bias=False)
     mkeras.enable(model, budget="1GiB", verbose=False)
     x, y = _keras_data(256)
-    for _ in range(3):
+    for _ in range(MEASURED_STEPS + 1):  # one step more than a round measures
         model.train_on_batch(x, y)
     report = mkeras.calibration_of(model)
     assert len(report.rounds) == 1 and report.fits and report.margin == 0
