@@ -43,7 +43,7 @@ from memsaving.errors import PeakMemoryUnavailableError
 from memsaving.fit_budget import (MEASURED_STEPS, Calibration, CalibrationRound, budget_margin, calibration_error,
                                   next_margin, nothing_lower_to_try, planning_budget_for, why_nothing_fits)
 from memsaving.gradients import gradients_and_plan
-from memsaving.measure import default_device, reset_peak
+from memsaving.measure import default_device, peak_bytes, reset_peak
 from memsaving.planning import Plan
 
 logger = logging.getLogger("memsaving")
@@ -416,7 +416,7 @@ class _Calibrator:
         self.over = 0  # rounds above the budget in a row
         self.device = default_device()
         self.measured_function: Any = None  # the last train function judged
-        self.pending: Optional[list] = None  # [plans, highest peak, steps] of the trace being measured
+        self.pending: Optional[Tuple[List[Plan], List[int]]] = None  # (plans, measured peaks) of the trace being measured
         self.off = False
 
     @property
@@ -471,29 +471,28 @@ class _Calibrator:
         A new trace is judged on its first :data:`MEASURED_STEPS` steps (the
         highest peak among them), or on its first step when that one is
         already over the budget."""
-        measured = int(tf.config.experimental.get_memory_info(self.device)["peak"])
+        measured = peak_bytes(self.device)
         if self.plans:  # this step traced: a new round starts (an unfinished one is dropped)
-            self.pending = [self.plans, measured, 1]
+            self.pending = (self.plans, [measured])
             self.plans = []
         elif self.pending is not None:
-            self.pending[1] = max(self.pending[1], measured)
-            self.pending[2] += 1
+            self.pending[1].append(measured)
         else:
             self.measured_function = model.train_function  # nothing memsaving planned was traced
             return
-        plans, measured, steps = self.pending
-        budget = self.report.budget
-        if measured <= budget and steps < MEASURED_STEPS:
+        plans, peaks = self.pending
+        if max(peaks) <= self.report.budget and len(peaks) < MEASURED_STEPS:
             return  # measure the next step of this train function too
         self.pending = None
         self.measured_function = model.train_function
-        self._judge(model, plans, measured)
+        self._judge(model, plans, peaks)
 
-    def _judge(self, model: keras.Model, plans: List[Plan], measured: int) -> None:
+    def _judge(self, model: keras.Model, plans: List[Plan], peaks: List[int]) -> None:
         report = self.report
         budget = report.budget
+        measured = max(peaks)
         current = CalibrationRound(planning_budget_for(budget, report.margin),
-                                   max(p.predicted_peak for p in plans), measured)
+                                   max(p.predicted_peak for p in plans), measured, measured - min(peaks))
         report.rounds.append(current)
         for plan in plans:
             plan.measured_peak = measured

@@ -37,7 +37,13 @@ def measure_peak(fn: Callable[..., Any], *args, device: Optional[str] = None, **
         lambda t: t.numpy() if hasattr(t, "numpy") else t,
         result,
     )
-    return int(tf.config.experimental.get_memory_info(device)["peak"])
+    return peak_bytes(device)
+
+
+def peak_bytes(device: Optional[str] = None) -> int:
+    """The device allocator's peak bytes in use since its statistics were
+    last reset (:func:`reset_peak`)."""
+    return int(tf.config.experimental.get_memory_info(device or default_device())["peak"])
 
 
 def bytes_in_use(device: Optional[str] = None) -> int:

@@ -553,6 +553,24 @@ def test_train_on_batch_is_measured_once_per_trace():
     assert mkeras.calibration_of(model) is None
 
 
+def test_keras_judges_a_trace_on_its_highest_step_and_records_the_spread(monkeypatch):
+    """The allocator's peaks after each measured step are scripted: the round is judged on the
+    highest of its MEASURED_STEPS steps, and its spread (highest less lowest) is recorded, which
+    a BudgetError's smallest_budget adds when above 2%."""
+    scripted = [100 * MiB, 140 * MiB, 120 * MiB, 110 * MiB] + [999 * MiB] * 4
+    assert len(scripted) > MEASURED_STEPS >= 2
+    read = iter(scripted)
+    monkeypatch.setattr(mkeras, "peak_bytes", lambda device=None: next(read))
+    model = _keras_mlp(use_bias=False)
+    mkeras.enable(model, budget="1GiB", verbose=False)
+    x, y = _keras_data(256)
+    for _ in range(MEASURED_STEPS + 1):
+        model.train_on_batch(x, y)
+    (round_,) = mkeras.calibration_of(model).rounds
+    steps = scripted[:MEASURED_STEPS]
+    assert round_.measured_peak == max(steps) and round_.spread == max(steps) - min(steps)
+
+
 # Bad input.
 
 def test_bad_input_errors():
