@@ -499,8 +499,7 @@ def _with_profile(info: OpInfo, profile, tensors: Dict[int, TensorInfo], variant
         if t in variants and held > 0 and tensors[t].nbytes == 0:
             tensors[t] = replace(tensors[t], nbytes=held)
     return replace(info, temp_bytes=profile.temp_bytes, grad_temp_bytes=profile.grad_temp_bytes,
-                   saved_bytes=profile.saved_bytes, seconds=profile.seconds, grad_seconds=profile.grad_seconds,
-                   plain_grad_temp_bytes=profile.plain_grad_temp_bytes)
+                   saved_bytes=profile.saved_bytes, seconds=profile.seconds, grad_seconds=profile.grad_seconds)
 
 
 def _external_bytes(t: tf.Tensor, batch_size: int) -> int:

@@ -63,11 +63,6 @@ class OpInfo:
         and recompute action of the op.
       grad_temp_bytes: the same for the op's gradient, beyond what its
         backward action reads and writes; counted during that action.
-      plain_grad_temp_bytes: for a gradient that runs loops, its temporary
-        when the loops run several iterations at once, as in plain
-        ``tf.gradients`` (``grad_temp_bytes`` is the temporary as memsaving
-        runs them, one iteration at a time); None: the same as
-        ``grad_temp_bytes``.
       saved_bytes: memory the forward op keeps for its gradient that is no
         tensor of the model (a loop's accumulated intermediates, added to
         the op when its gradient is built): written by the op's forward
@@ -91,7 +86,6 @@ class OpInfo:
     saved_bytes: int = 0
     seconds: Optional[float] = None
     grad_seconds: Optional[float] = None
-    plain_grad_temp_bytes: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,11 @@ from tensorflow.python.eager import context
 from tensorflow.python.ops import handle_data_util, resource_variable_ops
 
 from memsaving.forward import ops_made_in
-from memsaving.loop_pinning import LOOP_TYPES, pin_loop_iterations
+from memsaving.loop_pinning import pin_loop_iterations
 
 logger = logging.getLogger("memsaving")
 
-FORMAT = 3
+FORMAT = 2
 """Version of the measurement procedure and of the cache file; entries of
 another version are ignored."""
 
@@ -87,11 +87,6 @@ class OpProfile:
       saved_bytes: bytes the forward op keeps for its gradient that are no
         output of the forward graph (a loop's accumulated intermediates,
         which building the gradient adds to the op).
-      plain_grad_temp_bytes: for a gradient that builds loops, its
-        temporary as plain ``tf.gradients`` runs it, several iterations at
-        once (``grad_temp_bytes`` is measured with the iterations one at a
-        time, as memsaving runs them: :mod:`memsaving.loop_pinning`); None
-        for a gradient without loops.
       output_bytes: bytes held by each output after the forward kernel ran;
         the only way to size variant outputs (TensorLists).
       seconds, grad_seconds: median run times of the forward op and of its
@@ -107,7 +102,6 @@ class OpProfile:
     seconds: Optional[float] = None
     grad_seconds: Optional[float] = None
     ok: bool = True
-    plain_grad_temp_bytes: Optional[int] = None
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -119,15 +113,11 @@ class OpProfile:
         return cls(int(data.get("temp_bytes", 0)), int(data.get("grad_temp_bytes", 0)),
                    int(data.get("saved_bytes", 0)), tuple(int(b) for b in data.get("output_bytes", ())),
                    _optional_float(data.get("seconds")), _optional_float(data.get("grad_seconds")),
-                   bool(data.get("ok", True)), _optional_int(data.get("plain_grad_temp_bytes")))
+                   bool(data.get("ok", True)))
 
 
 def _optional_float(value) -> Optional[float]:
     return None if value is None else float(value)
-
-
-def _optional_int(value) -> Optional[int]:
-    return None if value is None else int(value)
 
 
 @dataclass
@@ -592,35 +582,29 @@ class _Measurement:
         peak, held = self.memory.run(forward, *fed, runs=self.runs)
         temp = max(peak - sum(held), 0)
         seconds = self._seconds(forward, fed, peak)
-        grad_temp, saved, grad_seconds, plain_grad_temp = self._gradient(build, fed, specs, held, seconds)
-        return OpProfile(temp, grad_temp, saved, tuple(held), seconds, grad_seconds,
-                         plain_grad_temp_bytes=plain_grad_temp)
+        grad_temp, saved, grad_seconds = self._gradient(build, fed, specs, held, seconds)
+        return OpProfile(temp, grad_temp, saved, tuple(held), seconds, grad_seconds)
 
     def _seconds(self, fn: Callable, args: Sequence, traffic: int) -> float:
         runs = TIMING_RUNS + (4 if traffic < SMALL else 0)
         return max(_median_seconds(fn, args, runs) - self.overhead, 0.0)
 
     def _gradient(self, build: Callable, fed: List[tf.Tensor], specs: List[Tuple[tf.DType, tuple]],
-                  held: List[int], forward_seconds: Optional[float]
-                  ) -> Tuple[int, int, Optional[float], Optional[int]]:
-        """(gradient temporary, saved bytes, gradient seconds, the temporary
-        with the gradient's loops not pinned, or None when it builds none);
-        zeros and None when the op has no gradient."""
+                  held: List[int], forward_seconds: Optional[float]) -> Tuple[int, int, Optional[float]]:
+        """(gradient temporary, saved bytes, gradient seconds); zeros and None
+        when the op has no gradient."""
         outputs = [i for i, (dtype, _) in enumerate(specs) if _is_float(dtype)]
         if not outputs:
-            return 0, 0, None, None
+            return 0, 0, None
         n = self.recipe.num_outputs
-        facts: Dict[str, object] = {"pin": True}
+        facts: Dict[str, object] = {}
 
         def differentiated(values, upstream) -> Tuple[tf.Operation, list]:
             op = build(values)
             xs = [t for t in op.inputs if _is_float(t.dtype) or t.dtype == tf.resource]
             with ops_made_in(op.graph) as made:
                 results = tf.gradients([op.outputs[i] for i in outputs], xs, grad_ys=list(upstream)) if xs else []
-            loops = sum(1 for made_op in made if made_op.type in LOOP_TYPES)
-            if facts["pin"]:
-                pin_loop_iterations(made)  # as memsaving.gradients runs them
-            facts["loops"] = loops
+            pin_loop_iterations(made)  # as memsaving.gradients runs them
             facts["extra"] = len(op.outputs) - n
             facts["reads"] = [i for i in range(n) if op.outputs[i].consumers()]
             facts["stateful"] = op._is_stateful  # pylint: disable=protected-access
@@ -635,19 +619,8 @@ class _Measurement:
             backward(fed, upstream)
         except (LookupError, ValueError, TypeError, NotImplementedError, tf.errors.OpError) as err:
             logger.debug("memsaving profiles: no gradient for %s: %s", self.target.op, err)
-            return 0, 0, None, None
+            return 0, 0, None
         peak, held_results = self.memory.run(backward, fed, upstream, runs=self.runs)
-        plain_peak = None
-        if facts["loops"]:
-            facts["pin"] = False
-
-            @tf.function(autograph=False)
-            def plain_backward(values, upstream):
-                return differentiated(values, upstream)[1]
-
-            plain_backward(fed, upstream)
-            plain_peak = self.memory.run(plain_backward, fed, upstream, runs=self.runs)[0]
-            facts["pin"] = True
         saved = 0
         if facts["extra"]:
 
@@ -659,12 +632,11 @@ class _Measurement:
             saved = sum(self.memory.run(kept_for_gradient, fed, upstream)[1])
         read = sum(held[i] for i in facts["reads"] if i < len(held))
         grad_temp = max(peak - sum(held_results) - saved - read, 0)
-        plain_grad_temp = None if plain_peak is None else max(plain_peak - sum(held_results) - saved - read, 0)
         seconds = self._seconds(backward, (fed, upstream), peak)
         ran_forward = bool(facts["reads"]) or bool(facts["stateful"]) or bool(facts["extra"])
         if ran_forward and forward_seconds is not None:
             seconds = max(seconds - forward_seconds, 0.0)
-        return grad_temp, saved, seconds, plain_grad_temp
+        return grad_temp, saved, seconds
 
 
 def _register_functions(library) -> None:

@@ -182,14 +182,11 @@ def simulate(
       inplace: differentiate kept ops whose inputs are all kept where they
         are instead of recomputing them (default: only when swapping).
       unpinned: the step runs with no order added (plain ``tf.gradients``):
-        loop gradients run several iterations at once (each op's
-        ``plain_grad_temp_bytes``), and on a model whose executor runs
-        several kernels at once the actions are replayed in the orders
-        :func:`memsaving.executor.unpinned_orders` gives instead of the
-        order they were written in, scoring the one of median peak.
+        on a model whose executor runs several kernels at once, replay the
+        actions in the orders :func:`memsaving.executor.unpinned_orders`
+        gives instead of the order they were written in, and score the one
+        of median peak.
     """
-    if unpinned:
-        model = with_plain_loop_temporaries(model)
     if kept is None:
         kept = kept_set(model, checkpoint_ops)
     swapped = set(swapped)
@@ -222,17 +219,6 @@ def simulate(
         step_seconds=step_seconds,
         swapped_bytes=int(sum(a.cost for a in actions if a.stream != "compute")),
     )
-
-
-def with_plain_loop_temporaries(model: GraphModel) -> GraphModel:
-    """``model`` with each loop gradient's temporary as plain
-    ``tf.gradients`` runs it (:attr:`memsaving.graph.OpInfo.plain_grad_temp_bytes`);
-    ``model`` itself when no op has one."""
-    if all(op.plain_grad_temp_bytes is None for op in model.ops):
-        return model
-    ops = [op if op.plain_grad_temp_bytes is None else replace(op, grad_temp_bytes=op.plain_grad_temp_bytes)
-           for op in model.ops]
-    return replace(model, ops=ops)
 
 
 def _median_executor_order(actions: List[Action], unit_ends: List[int],

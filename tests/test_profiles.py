@@ -97,18 +97,6 @@ def test_every_replay_applies_the_same_rule():
     assert timed_replay(actions, CostModel())[1] + model.resident_bytes == expected
 
 
-def test_the_plain_prediction_runs_loop_gradients_unpinned():
-    """A loop gradient's temporary with several iterations at once counts
-    in the plain (``tf.gradients``) prediction only; memsaving's own steps
-    run the loops one iteration at a time."""
-    model = chain_model([100] * 6)
-    pinned = _with(model, 1, grad_temp_bytes=1_000)
-    both = _with(pinned, 1, plain_grad_temp_bytes=50_000)
-    assert simulate(both).peak_bytes == simulate(pinned).peak_bytes
-    assert simulate(both, unpinned=True).peak_bytes == _peak_during(model, "backward op2") + 50_000
-    assert simulate(pinned, unpinned=True).peak_bytes == simulate(pinned).peak_bytes
-
-
 def test_measured_seconds_time_the_step():
     model = chain_model([100] * 4)
     flops = simulate(model, cost=CostModel(flops_per_second=1.0)).step_seconds
@@ -143,9 +131,7 @@ def cache_dir(tmp_path, monkeypatch):
 def _plain_figures(model, x, batch, gradients=tf.gradients):
     """(measured activation peak, predicted with profiles, predicted without,
     the plan with profiles) of one plain training step of ``model``, its
-    gradients computed by ``gradients``: ``tf.gradients`` is predicted by
-    the plan's ``plain_peak``, memsaving's gradients with nothing
-    recomputed by its ``predicted_peak``."""
+    gradients computed by ``gradients``."""
     captured = {}
 
     @tf.function
@@ -163,11 +149,8 @@ def _plain_figures(model, x, batch, gradients=tf.gradients):
     # the highest of several runs: a loop holds more, or less, over the first runs
     measured = max(memsaving.measure_peak_increase(step, x) for _ in range(6))
     with_, without = captured["with"], captured["without"]
-    if gradients is tf.gradients:
-        return (measured, with_.plain_peak - with_.resident_bytes, without.plain_peak - without.resident_bytes,
-                with_)
-    return (measured, with_.predicted_peak - with_.resident_bytes,
-            without.predicted_peak - without.resident_bytes, with_)
+    return (measured, with_.plain_peak - with_.resident_bytes, without.plain_peak - without.resident_bytes,
+            with_)
 
 
 def _report(name, measured, with_, without):
@@ -239,32 +222,6 @@ def test_lstm_step(cache_dir):
     _report("LSTM", measured, with_, without)
     assert without < 0.5 * measured
     assert abs(with_ - measured) <= TOLERANCE * measured
-
-
-def test_loop_gradients_are_profiled_pinned_and_as_tf_gradients_runs_them(cache_dir):
-    """The While op's profile has both temporaries: the gradient's loops one
-    iteration at a time (memsaving's steps) and unpinned (plain
-    ``tf.gradients``); an op without loops has only the first."""
-    w = tf.Variable(tf.random.normal([64, 64], seed=1) * 0.1)
-    found = {}
-
-    @tf.function
-    def step(x):
-        def body(i, h):
-            return i + 1, tf.tanh(h @ w)
-
-        h = tf.while_loop(lambda i, h: i < 16, body, [0, x])[1]
-        loss = tf.reduce_sum(tf.matmul(h, w, name="after_loop"))
-        forward = [op for op in loss.graph.get_operations() if op.type in ("While", "StatelessWhile", "MatMul")]
-        found["run"] = profiles.profile_ops(forward, batch_size=32)
-        found["names"] = {op.type: op.name for op in forward}
-        return loss
-
-    step.get_concrete_function(tf.TensorSpec([32, 64], tf.float32))
-    run, names = found["run"], found["names"]
-    loop = run.profiles[names.get("While") or names["StatelessWhile"]]
-    assert loop.plain_grad_temp_bytes is not None and loop.plain_grad_temp_bytes >= 0
-    assert run.profiles[names["MatMul"]].plain_grad_temp_bytes is None
 
 
 def _plan_of(model, x, **kwargs):
