@@ -74,22 +74,26 @@ measured runs differ by more than the headroom is given that spread instead
 (:func:`room_needed`)."""
 
 
-def room_needed(budget: int, peaks: Sequence[int]) -> int:
-    """Bytes a round's highest measured peak must stay below ``budget``: the
-    :data:`HEADROOM`, or the spread of the round's peaks when that is larger.
+def room_needed(figure: int, spread: int, fraction: float = HEADROOM) -> int:
+    """Room for a step's run-to-run variation beside ``figure`` (bytes):
+    ``fraction`` of it, or ``spread``, the highest less the lowest peak its
+    measured runs gave, when that is larger.
 
-    A step whose peak moved by ``spread`` between two runs of one trace can
-    move as much again in the runs that follow; the headroom alone covers
-    only steps that repeat to within 2%.
+    A step whose peak moved by ``spread`` between runs of one trace can move
+    as much again in the runs that follow; a fixed fraction covers only
+    steps that repeat to within it.  :func:`fit_to_budget` wants a round's
+    peak this far under the budget (:data:`HEADROOM` of it), and
+    :func:`smallest_measured_budget` adds it to the lowest peak
+    (:data:`SLACK` of it).
 
     Examples
     --------
-    >>> room_needed(1000, [900, 905])   # repeats: the 2% headroom
+    >>> room_needed(1000, 5)    # repeats: 2% of the budget
     20
-    >>> room_needed(1000, [900, 950])   # moved by 50 between runs
+    >>> room_needed(1000, 50)   # moved by 50 between runs
     50
     """
-    return max(int(math.ceil(HEADROOM * budget)), max(peaks) - min(peaks))
+    return max(int(math.ceil(fraction * figure)), spread)
 
 
 @dataclass
@@ -181,6 +185,11 @@ class CalibrationRound:
     spread: int = 0
     """The highest less the lowest peak of the round's measured runs."""
 
+    @classmethod
+    def from_peaks(cls, planned_for: int, predicted_peak: int, peaks: Sequence[int]) -> "CalibrationRound":
+        """The round whose measured runs gave ``peaks``."""
+        return cls(planned_for, predicted_peak, max(peaks), max(peaks) - min(peaks))
+
     @property
     def lowest(self) -> bool:
         """The round measured the planner's lowest plan (:func:`is_lowest_plan`)."""
@@ -271,7 +280,7 @@ def smallest_measured_budget(rounds: Sequence[CalibrationRound], held_per_trace:
     if not rounds:
         return None
     lowest = min(rounds, key=lambda r: r.measured_peak)
-    room = max(int(math.ceil(SLACK * lowest.measured_peak)), lowest.spread)
+    room = room_needed(lowest.measured_peak, lowest.spread, SLACK)
     return lowest.measured_peak + room + TRACES_AHEAD * max(0, int(held_per_trace))
 
 
@@ -417,8 +426,8 @@ def fit_to_budget(
             step(*args, **kwargs)  # warm-up: the first run of a graph allocates once-only buffers
             steps = LOWEST_MEASURED_STEPS if is_lowest_plan(planned_for, predicted) else MEASURED_STEPS
             peaks = [measure_peak(step, *args, device=device, **kwargs) for _ in range(steps)]
-            measured, room = max(peaks), room_needed(target, peaks)
-            current = CalibrationRound(planned_for, predicted, measured, measured - min(peaks))
+            current = CalibrationRound.from_peaks(planned_for, predicted, peaks)
+            measured, room = current.measured_peak, room_needed(target, current.spread)
             report.rounds.append(current)
             for plan in plans:
                 plan.measured_peak = measured

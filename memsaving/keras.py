@@ -490,9 +490,9 @@ class _Calibrator:
     def _judge(self, model: keras.Model, plans: List[Plan], peaks: List[int]) -> None:
         report = self.report
         budget = report.budget
-        measured = max(peaks)
-        current = CalibrationRound(planning_budget_for(budget, report.margin),
-                                   max(p.predicted_peak for p in plans), measured, measured - min(peaks))
+        current = CalibrationRound.from_peaks(planning_budget_for(budget, report.margin),
+                                              max(p.predicted_peak for p in plans), peaks)
+        measured = current.measured_peak
         report.rounds.append(current)
         for plan in plans:
             plan.measured_peak = measured

@@ -199,8 +199,9 @@ def test_a_peak_within_the_headroom_is_replanned_and_returned_when_nothing_fits_
 
 
 def test_a_round_whose_runs_differ_by_more_than_the_headroom_needs_that_much_room(monkeypatch):
-    """Round 1's two runs differ by 4% of the budget: its higher peak, 2% under the budget, fits
-    the headroom but not the spread, so round 2 plans lower and, steady, is returned."""
+    """Round 1's runs alternate between two peaks 4% of the budget apart: its highest, 2% under
+    the budget, fits the headroom but not the spread, so round 2 plans lower and, steady, is
+    returned."""
     mlp = MLP()
     plain, resident = mlp.plain_plan()
     budget = int(resident + 0.6 * (plain - resident))
