@@ -179,6 +179,8 @@ def main(argv=None) -> None:
                         help="print the order each Dense layer's data and weight gradients ran in, instead of "
                              "the buffers alive at the peak")
     args = parser.parse_args(argv)
+    if args.order and args.runs:
+        parser.error("--runs goes with the buffer listing; --order prints the gradient order instead: give one")
     case = sweep.MODELS[args.model](False)
     step, captured = sweep.make_step(case.model, case.batch, args.mode)
     if args.order:
