@@ -38,7 +38,7 @@ Two branches, each a chain whose ops also make a side result; with two
 threads busy with the chains, a side result left in a thread's queue waits
 until its chain ends:
 
->>> from memsaving.simulate import Action
+>>> from memsaving.buffers import Action
 >>> actions = [Action("a1", [], [("a1", 1)], cost=1), Action("b1", [], [("b1", 1)], cost=1),
 ...            Action("a2", ["a1"], [("a2", 1)], cost=1), Action("side a", ["a1"], [], cost=1),
 ...            Action("b2", ["b1"], [("b2", 1)], cost=1), Action("side b", ["b1"], [], cost=1)]

@@ -16,7 +16,8 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 import numpy as np
 import tensorflow as tf
 
-from memsaving.forward import ForwardGraph, _topological, is_copyable, is_trainable
+from memsaving.forward import ForwardGraph, is_copyable, is_trainable, topological_order
+from memsaving.buffers import Action, memory_replay
 from memsaving.graph import GraphModel, OpInfo, ProfileSummary, TensorInfo
 
 EXTERNAL_OPS = frozenset({"Placeholder", "Const", "VarHandleOp", "NoOp"})
@@ -184,8 +185,6 @@ def _traced_temp_bytes(results: Sequence[tf.Tensor], batch_size: int) -> int:
     gradient), beyond the results, by the simulator's rules (a buffer dies
     after its last reader; elementwise kernels write into dying inputs).
     Only the ops the results depend on count: the others are pruned."""
-    from memsaving.simulate import Action, memory_replay  # pylint: disable=import-outside-toplevel
-
     ordered = _ancestors_in_order([g.op for g in results], follow_control=False)
     needed = set(ordered)
     actions = []
@@ -212,7 +211,7 @@ def _ancestors_in_order(roots: Sequence[tf.Operation], follow_control: bool) -> 
         stack.extend(t.op for t in op.inputs)
         if follow_control:
             stack.extend(op.control_inputs)
-    return _topological(sorted(found, key=lambda o: o._id))  # pylint: disable=protected-access
+    return topological_order(sorted(found, key=lambda o: o._id))  # pylint: disable=protected-access
 
 
 def _stopped_tensors(ops: Sequence[tf.Operation], customs: Dict[tf.Operation, CustomGradient]) -> Set[int]:

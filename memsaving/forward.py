@@ -165,7 +165,7 @@ def forward_graph(
             "or use tf.gradients for this graph."
         )
     ops = sorted(between, key=lambda op: op._id)  # pylint: disable=protected-access
-    ops = _topological(ops)
+    ops = topological_order(ops)
     return ForwardGraph(
         xs=list(xs),
         ys=list(ys),
@@ -175,7 +175,7 @@ def forward_graph(
     )
 
 
-def _topological(ops: list) -> list:
+def topological_order(ops: list) -> list:
     """Order ``ops`` so each comes after its data and control inputs.
 
     Creation order almost always is such an order; control inputs added after

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Callable, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
@@ -21,6 +21,7 @@ from tensorflow.python.ops import gradients_impl as _gradients_impl
 from memsaving import candidates
 from memsaving.budget import parse_bytes, plan_for_budget
 from memsaving.checkpoints import Checkpoints, resolve_checkpoints
+from memsaving.modes import memory_checkpoints, speed_checkpoints
 from memsaving.errors import CheckpointError
 from memsaving import fit_budget as _calibration
 from memsaving.extract import graph_model
@@ -370,6 +371,16 @@ def _swapped(swap, fwd, model, chosen, inner=None) -> list:
     return wanted
 
 
+def _checkpoint_ops(checkpoints, fwd, model) -> List[int]:
+    """The ops whose outputs ``checkpoints`` keeps: the named modes are
+    planned on the model, the other forms name tensors of the graph."""
+    if isinstance(checkpoints, str) and checkpoints == "speed":
+        return speed_checkpoints(model)
+    if isinstance(checkpoints, str) and checkpoints == "memory":
+        return memory_checkpoints(model)
+    return resolve_checkpoints(checkpoints, fwd, model)
+
+
 def _candidate_pool(checkpoints, fwd, model) -> tuple:
     """Candidate cuts for budget planning (and their bytes for Chen's greedy)."""
     if isinstance(checkpoints, str) and checkpoints == "speed":
@@ -377,7 +388,7 @@ def _candidate_pool(checkpoints, fwd, model) -> tuple:
     if isinstance(checkpoints, str):
         ranked = candidates.memory_candidates(model)
         return [cut for cut, _ in ranked], [b for _, b in ranked]
-    return resolve_checkpoints(checkpoints, fwd, model), None
+    return _checkpoint_ops(checkpoints, fwd, model), None
 
 
 def _hybrid_plan(model, fwd, checkpoints, budget, kwargs, keep_x, or_lowest: bool = False) -> Plan:
@@ -471,7 +482,7 @@ def _plan_for_model(fwd, model, checkpoints, budget, kwargs, or_lowest: bool = F
         if isinstance(swap, str):
             _swapped(swap, fwd, model, [])
     if budget is None:
-        chosen = resolve_checkpoints(checkpoints, fwd, model)
+        chosen = _checkpoint_ops(checkpoints, fwd, model)
         mode = checkpoints if isinstance(checkpoints, str) else "list"
         swapped = _swapped(swap, fwd, model, chosen)
         return fwd, make_plan(model, chosen, mode, keep_x_gradients=keep_x, swapped=swapped,

@@ -127,12 +127,12 @@ class GraphModel:
         weight gradient) is made by a kernel of its own and, unless the
         caller keeps the results, consumed before the op's other gradient
         kernels allocate (TensorFlow, see
-        :func:`memsaving.simulate.consumed_at_once`); otherwise all of an
+        :func:`memsaving.buffers.consumed_at_once`); otherwise all of an
         op's gradients are held together, as Checkmate's MILP counts them.
       ready_gradients_early: the executor runs several kernels at once (more
         than one inter-op thread), so a recomputed segment's gradient
         kernels that read nothing the recomputation makes run while it does
-        (:func:`memsaving.simulate.ready_gradients_first`); with one thread
+        (:func:`memsaving.actions.ready_gradients_first`); with one thread
         the recomputation, queued first, runs first.
     """
 

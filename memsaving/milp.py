@@ -93,7 +93,9 @@ from scipy.sparse import coo_array
 
 from memsaving.graph import GraphModel, gradient_sinks, without_forwarding
 from memsaving.replay import Event, gradient_ops, plain_schedule, schedule_actions, simulate_schedule
-from memsaving.simulate import BACKWARD_COST_FACTOR, Action, Simulation, memory_replay
+from memsaving.actions import BACKWARD_COST_FACTOR
+from memsaving.buffers import Action, memory_replay
+from memsaving.simulate import Simulation
 
 MAX_NODES = 250
 """Largest training graph (forward + backward nodes) :func:`solve_milp`

@@ -4,8 +4,8 @@
 order of recomputations itself.  Exact references such as the Checkmate MILP
 (:mod:`memsaving.milp`) produce a *schedule* instead, any order of forward
 computations (first runs and recomputations) and backward ops.  Replaying
-that schedule here, with the same :class:`~memsaving.simulate.Action` list
-and the same :func:`~memsaving.simulate.memory_replay`, puts both kinds of results
+that schedule here, with the same :class:`~memsaving.buffers.Action` list
+and the same :func:`~memsaving.buffers.memory_replay`, puts both kinds of results
 on one scale: a buffer lives from the action that writes it to the last
 action that reads it, and gradient contributions to a tensor with several
 consumers are summed eagerly (each contribution writes a new version and
@@ -25,8 +25,9 @@ from typing import Dict, Iterable, List, Sequence, Set, Tuple
 
 from memsaving.graph import GraphModel, gradient_sinks, receives_gradient
 from memsaving.schedule import backward_units, kept_set, recomputes_anchor
-from memsaving.simulate import (BACKWARD_COST_FACTOR, Action, Key, Simulation, memory_replay, op_action,
-                                result_keys, saved_key)
+from memsaving.actions import BACKWARD_COST_FACTOR, op_action, result_keys, saved_key
+from memsaving.buffers import Action, Key, memory_replay
+from memsaving.simulate import Simulation
 
 Event = Tuple[str, int]
 

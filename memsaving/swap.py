@@ -21,7 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Dict, Iterable, List, Sequence, Set, Tuple
 
+from memsaving.actions import step_actions
+from memsaving.buffers import Action, consumed_at_once, donations
 from memsaving.graph import GraphModel
+from memsaving.parameters import parameter_ops
+from memsaving.schedule import backward_units
 
 
 @dataclass(frozen=True)
@@ -54,12 +58,10 @@ def swappable(model: GraphModel, actions: Sequence, forward_end: int) -> List[in
     (kept tensors: checkpoints, inputs of ops never recomputed): the ones a
     swap can take off the device between the two passes.
 
-    Outputs of parameter ops (:func:`memsaving.candidates.parameter_ops`)
+    Outputs of parameter ops (:func:`memsaving.parameters.parameter_ops`)
     stay resident anyway; outputs of ops that are not forward (an input
     scaled or filled inside the step) are not offered: the emitter copies
     forward tensors only."""
-    from memsaving.candidates import parameter_ops  # pylint: disable=import-outside-toplevel
-
     parameters = parameter_ops(model)  # weights and their reshapes stay resident anyway
     found: Set[int] = set()
     for action in actions[forward_end + 1:]:
@@ -77,10 +79,7 @@ def swappable(model: GraphModel, actions: Sequence, forward_end: int) -> List[in
 def swap_candidates(model: GraphModel, kept: Set[int], inner=None) -> List[int]:
     """The tensors a plan keeping ``kept`` could swap: those its backward
     part reads from the forward pass (units differentiated in place)."""
-    from memsaving.schedule import backward_units  # pylint: disable=import-outside-toplevel
-    from memsaving.simulate import _actions  # pylint: disable=import-outside-toplevel
-
-    actions, _ = _actions(model, kept, backward_units(model, kept, inner, inplace=True))
+    actions, _ = step_actions(model, kept, backward_units(model, kept, inner, inplace=True))
     return swappable(model, actions, len(model.ops))
 
 
@@ -88,8 +87,6 @@ def add_swaps(actions: Sequence, model: GraphModel, swapped: Iterable[int], forw
               cost: CostModel) -> list:
     """The action list with a swap-out after each swapped tensor's producer
     and swap-ins before its backward consumers (see the module docstring)."""
-    from memsaving.simulate import Action  # pylint: disable=import-outside-toplevel
-
     swapped = set(swapped)
     after: Dict[int, list] = {}
     before: Dict[int, list] = {}
@@ -158,11 +155,9 @@ def timed_replay(actions: Sequence, cost: CostModel, pinned: Set = frozenset()) 
     before it in the list (its trigger).  A compute action with measured
     ``seconds`` takes that long instead.  A buffer is allocated when its
     writer starts and freed when its last reader ends (or handed to an
-    in-place write: :func:`memsaving.simulate.donations`); an action's
+    in-place write: :func:`memsaving.buffers.donations`); an action's
     ``temp`` is in use from its start to its end.
     """
-    from memsaving.simulate import consumed_at_once, donations  # pylint: disable=import-outside-toplevel
-
     ready: Dict = {}
     free_at = {"compute": 0.0, "d2h": 0.0, "h2d": 0.0}
     last_compute_end = 0.0

@@ -3,7 +3,7 @@
 import networkx as nx
 import pytest
 
-from memsaving import candidates
+from memsaving import candidates, parameters
 from memsaving.graph import GraphModel, OpInfo, TensorInfo, chain_model
 from memsaving.selection import bottlenecks
 
@@ -69,7 +69,7 @@ def test_parameter_ops_are_not_activations():
     tensors[out] = TensorInfo("y", 8, len(ops))
     ops.append(OpInfo("last", "Mul", (prev, w2), (out,), grad_reads=(prev, w2)))
     model = GraphModel(ops, tensors, xs=[0, 1], ys=[out])
-    assert candidates.parameter_ops(model) == {4}
+    assert parameters.parameter_ops(model) == {4}
     assert candidates.articulation(model) == [1, 2, 3]
 
 
@@ -86,5 +86,5 @@ def test_random_data_made_from_constants_is_not_a_parameter():
         ops.append(OpInfo(f"matmul{d}", "MatMul", (prev, 1), (out,), grad_reads=(prev, 1)))
         prev = out
     model = GraphModel(ops, tensors, xs=[1], ys=[prev])
-    assert 0 not in candidates.parameter_ops(model)
+    assert 0 not in parameters.parameter_ops(model)
     assert candidates.memory_candidates(model), "the layers after the random input are candidates"

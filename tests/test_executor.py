@@ -6,7 +6,8 @@ import pytest
 
 from memsaving.executor import dependencies, durations, executor_order, unpinned_orders
 from memsaving.graph import GraphModel, OpInfo, TensorInfo
-from memsaving.simulate import Action, memory_replay, simulate
+from memsaving.buffers import Action, memory_replay
+from memsaving.simulate import simulate
 
 
 def _random_actions(rng: random.Random, n: int):

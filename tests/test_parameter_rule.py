@@ -4,7 +4,7 @@ A graph whose input is ``tf.ones``, a learned input (a variable) or
 ``tf.ones * variable`` is computed from constants and variables alone, yet
 its activations are data that ``"memory"`` must checkpoint, while a weight's
 reshape, cast or transpose stays a parameter (rule:
-:func:`memsaving.candidates.parameter_ops`).
+:func:`memsaving.parameters.parameter_ops`).
 
 The first tests use hand-built neutral models (no TensorFlow graph); the
 others trace real steps and measure peaks with the CPU BFC allocator
@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 import memsaving
-from memsaving import candidates
+from memsaving import candidates, parameters
 from memsaving.extract import graph_model
 from memsaving.forward import forward_graph
 from memsaving.graph import GraphModel, OpInfo, TensorInfo, validate_model
@@ -92,7 +92,7 @@ def test_weight_reshape_cast_and_transpose_are_parameters():
     tied = b.op("emb_transpose", "Transpose", [b.read(emb, 1000 * WIDTH * F32)], 1000 * WIDTH * F32)
     logits = b.matmul(h, tied, BATCH, WIDTH, 1000, "logits")
     model = b.model([gamma, emb], b.op("loss", "Sum", [logits], 4))
-    params = {model.ops[i].name for i in candidates.parameter_ops(model)}
+    params = {model.ops[i].name for i in parameters.parameter_ops(model)}
     assert params == {"read_gamma", "gamma_reshape", "gamma_cast", "read_emb", "emb_transpose"}
 
 
@@ -102,7 +102,7 @@ def test_ones_times_variable_broadcast_to_a_batch_is_data():
     xs = [v]
     h = b.op("ones_times_v", "Mul", [_fill(b), b.read(v, WIDTH * F32)], BATCH * WIDTH * F32)
     model = b.model(xs, b.op("loss", "Sum", [_tanh_chain(b, h, 6, xs)], 4))
-    params = {model.ops[i].name for i in candidates.parameter_ops(model)}
+    params = {model.ops[i].name for i in parameters.parameter_ops(model)}
     assert "ones" not in params and "ones_times_v" not in params
     assert params == {f"read_{t}" for t in ["v"] + [f"w{i}" for i in range(6)]}
     assert candidates.memory_candidates(model)
@@ -131,7 +131,7 @@ def test_a_chain_fed_by_constants_has_activations(feed):
     h = b.op("bn_scale", "Mul", [h, g], BATCH * WIDTH * F32)
     h = _tanh_chain(b, h, 4, xs, start=4)
     model = b.model(xs, b.op("loss", "Sum", [h], 4))
-    params = {model.ops[i].name for i in candidates.parameter_ops(model)}
+    params = {model.ops[i].name for i in parameters.parameter_ops(model)}
     assert "gamma_reshape" in params
     assert not any(name.startswith(("matmul", "tanh", "bn_scale", "ones")) for name in params)
     separators = [model.ops[i].name for i in candidates.articulation(model)]
@@ -160,7 +160,7 @@ def test_a_lora_product_that_only_builds_a_kernel_is_a_parameter(feed):
     xs = []
     h = b.external("x", BATCH * WIDTH * F32) if feed == "argument" else _fill(b)
     model = b.model(xs, b.op("loss", "Sum", [_lora_layers(b, h, 5, xs)], 4))
-    params = {model.ops[i].name for i in candidates.parameter_ops(model)}
+    params = {model.ops[i].name for i in parameters.parameter_ops(model)}
     assert {f"{kind}{i}" for kind in ("ab", "scaled", "kernel") for i in range(5)} <= params
     assert not any(name.startswith(("matmul", "tanh")) for name in params)
     separators = {model.ops[i].name for i in candidates.articulation(model)}
@@ -178,7 +178,7 @@ def test_a_heavy_regulariser_added_to_the_loss_is_a_parameter():
     penalty = b.op("penalty", "Sum", [b.op("square", "Square", [gram], WIDTH * WIDTH * F32)], 4)
     data_loss = b.op("data_loss", "Sum", [h], 4)
     model = b.model(xs, b.op("loss", "AddV2", [data_loss, penalty], 4))
-    params = {model.ops[i].name for i in candidates.parameter_ops(model)}
+    params = {model.ops[i].name for i in parameters.parameter_ops(model)}
     assert {"gram", "square", "penalty"} <= params
 
 
@@ -189,7 +189,7 @@ def test_stateful_and_argument_inputs_are_data_as_before():
     xs = []
     h = b.op("add", "AddV2", [noise, b.external("x", BATCH * WIDTH * F32)], BATCH * WIDTH * F32, forward=False)
     model = b.model(xs, b.op("loss", "Sum", [_tanh_chain(b, h, 3, xs)], 4))
-    params = {model.ops[i].name for i in candidates.parameter_ops(model)}
+    params = {model.ops[i].name for i in parameters.parameter_ops(model)}
     assert params == {"read_w0", "read_w1", "read_w2"}
 
 
@@ -329,7 +329,7 @@ def test_keras_norm_weights_stay_parameters(feed):
         loss = tf.reduce_mean(tf.square(net(x, training=True)))
         fwd = forward_graph([tf.convert_to_tensor(v.value.handle) for v in variables], [loss])
         model = graph_model(fwd)
-        params = candidates.parameter_ops(model)
+        params = parameters.parameter_ops(model)
         found["params"] = sorted(model.ops[i].type for i in params if model.ops[i].forward)
         found["former"] = sorted(model.ops[i].type for i in _computed_from_weights_alone(model)
                                  if model.ops[i].forward)

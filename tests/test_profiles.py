@@ -19,7 +19,9 @@ from helpers import in_a_fresh_process
 from memsaving import models, profiles
 from memsaving.graph import GraphModel, OpInfo, TensorInfo, chain_model
 from memsaving.replay import plain_schedule, simulate_schedule
-from memsaving.simulate import _actions, memory_replay, simulate
+from memsaving.actions import step_actions
+from memsaving.buffers import memory_replay
+from memsaving.simulate import simulate
 from memsaving.schedule import backward_units, kept_set
 from memsaving.swap import CostModel, timed_replay
 
@@ -41,7 +43,7 @@ def _peak_during(model: GraphModel, label: str) -> int:
     before it, plus what it writes (its reads die after it)."""
     sim = simulate(model)
     k = sim.labels.index(label)
-    actions, _ = _actions(model, kept_set(model, []), backward_units(model, kept_set(model, [])))
+    actions, _ = step_actions(model, kept_set(model, []), backward_units(model, kept_set(model, [])))
     written = sum(nbytes for _, nbytes in actions[k].writes)
     return (sim.timeline[k - 1] if k else 0) + written
 
@@ -92,7 +94,7 @@ def test_every_replay_applies_the_same_rule():
     expected = simulate(model).peak_bytes
     assert simulate_schedule(model, plain_schedule(model)).peak_bytes == expected
     units = backward_units(model, kept_set(model, []))
-    actions, _ = _actions(model, kept_set(model, []), units)
+    actions, _ = step_actions(model, kept_set(model, []), units)
     assert memory_replay(actions, set())[1] + model.resident_bytes == expected
     assert timed_replay(actions, CostModel())[1] + model.resident_bytes == expected
 

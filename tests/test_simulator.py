@@ -143,7 +143,7 @@ def test_a_parallel_executor_runs_ready_gradient_kernels_before_the_recomputatio
 def test_ready_gradients_first_examples():
     import doctest
 
-    from memsaving import simulate as module
+    from memsaving import actions as module
     finder = doctest.DocTestFinder()
     tests = [t for t in finder.find(module) if t.name.endswith("ready_gradients_first")]
     assert tests and tests[0].examples

@@ -2,7 +2,9 @@
 
 from memsaving.graph import GraphModel, OpInfo, TensorInfo, chain_model
 from memsaving.schedule import backward_units, kept_set
-from memsaving.simulate import _actions, memory_replay, simulate
+from memsaving.actions import step_actions
+from memsaving.buffers import memory_replay
+from memsaving.simulate import simulate
 from memsaving.swap import CostModel, swappable, timed_replay
 
 
@@ -12,14 +14,14 @@ def _model(n=40):
 
 def _swappable(model, checkpoints):
     kept = kept_set(model, checkpoints)
-    actions, _ = _actions(model, kept, backward_units(model, kept, inplace=True))
+    actions, _ = step_actions(model, kept, backward_units(model, kept, inplace=True))
     return swappable(model, actions, len(model.ops))
 
 
 def test_timed_replay_without_swaps_matches_the_order_replay():
     model = _model()
     kept = kept_set(model, [9, 19, 29])
-    actions, _ = _actions(model, kept, backward_units(model, kept))
+    actions, _ = step_actions(model, kept, backward_units(model, kept))
     seconds, peak, _ = timed_replay(actions, CostModel())
     assert peak == memory_replay(actions, set())[1]
     assert abs(seconds - sum(a.cost for a in actions) / CostModel().flops_per_second) < 1e-12

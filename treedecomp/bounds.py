@@ -16,8 +16,9 @@ from ._elimination import index_graph
 __all__ = ["minor_min_width"]
 
 
-def _mmw(adj: list[set[int]]) -> int:
-    """Minor-min-width on integer adjacency sets (``adj`` is not modified)."""
+def min_width_of_adjacency(adj: list[set[int]]) -> int:
+    """:func:`minor_min_width` on integer adjacency sets, as the exact solver
+    and the improvement loop hold graphs (``adj`` is not modified)."""
     n = len(adj)
     if n == 0:
         return -1
@@ -74,4 +75,4 @@ def minor_min_width(G: nx.Graph) -> int:
     Returns -1 for the empty graph.
     """
     _, adj = index_graph(G)
-    return _mmw(adj)
+    return min_width_of_adjacency(adj)

@@ -44,7 +44,7 @@ from collections import deque
 import networkx as nx
 
 from ._elimination import build_decomposition, eliminate_in_order, eliminate_min_degree, eliminate_min_fill, index_graph
-from .bounds import _mmw
+from .bounds import min_width_of_adjacency
 from .decomposition import TreeDecomposition
 
 __all__ = ["treewidth_exact"]
@@ -340,7 +340,7 @@ def treewidth_exact(G: nx.Graph, *, max_vertices: int = 60, timeout: float | Non
         order, higher, tail, _ = upper
         return build_decomposition(nodes, order, higher, tail)
 
-    low = _mmw(adj)
+    low = min_width_of_adjacency(adj)
     if low >= ub:
         return heuristic_answer()
     prefix, radj, alive, low = _safe_reductions(adj, low)
@@ -373,7 +373,7 @@ def treewidth_exact(G: nx.Graph, *, max_vertices: int = 60, timeout: float | Non
             continue
         clique = _greedy_clique(am)
         comp_adj = [{local[u] for u in radj[v]} for v in comp]
-        start = max(answer, clique.bit_count() - 1, _mmw(comp_adj))
+        start = max(answer, clique.bit_count() - 1, min_width_of_adjacency(comp_adj))
         if start >= ub:
             return heuristic_answer()
         if len(comp) > max_vertices:

@@ -47,7 +47,10 @@ __all__ = [
 _ENGINES = {"min-fill": eliminate_min_fill, "min-degree": eliminate_min_degree}
 
 
-def _engine(heuristic: str):
+def elimination_engine(heuristic: str):
+    """The elimination function of ``heuristic`` (``"min-fill"`` or
+    ``"min-degree"``, underscores accepted) on integer adjacency sets; the
+    improvement loop calls it directly to skip the graph conversion."""
     key = heuristic.replace("_", "-")
     try:
         return _ENGINES[key]
@@ -64,7 +67,7 @@ def _ranks(n: int, seed) -> list[int] | None:
 
 
 def _run(G: nx.Graph, heuristic: str, seed) -> TreeDecomposition:
-    engine = _engine(heuristic)
+    engine = elimination_engine(heuristic)
     with gc_paused():
         nodes, adj = index_graph(G)
         order, higher, tail, _ = engine(adj, _ranks(len(nodes), seed))
@@ -120,7 +123,7 @@ def elimination_ordering(G: nx.Graph, heuristic: str = "min-fill", *, seed: int 
     ``decomposition_from_ordering(G, elimination_ordering(G))`` has the same
     width as ``min_fill(G)``.
     """
-    engine = _engine(heuristic)
+    engine = elimination_engine(heuristic)
     with gc_paused():
         nodes, adj = index_graph(G)
         order, _, tail, _ = engine(adj, _ranks(len(nodes), seed))

@@ -18,9 +18,9 @@ from collections.abc import Callable
 import networkx as nx
 
 from ._elimination import build_decomposition, eliminate_min_degree, eliminate_min_fill, gc_paused, index_graph
-from .bounds import _mmw
+from .bounds import min_width_of_adjacency
 from .decomposition import TreeDecomposition
-from .heuristics import _engine
+from .heuristics import elimination_engine
 
 __all__ = ["improve", "ImproveResult"]
 
@@ -61,12 +61,12 @@ def _improve(G, timeout, heuristic, seed, max_runs, should_stop) -> ImproveResul
     rng = random.Random(seed)
     nodes, adj = index_graph(G)
     n = len(nodes)
-    first = _engine(heuristic)
+    first = elimination_engine(heuristic)
     other = eliminate_min_degree if first is eliminate_min_fill else eliminate_min_fill
     best = first(adj)
     runs = 1
     first_width = best[3]
-    lb = _mmw(adj)
+    lb = min_width_of_adjacency(adj)
 
     def done() -> bool:
         return (

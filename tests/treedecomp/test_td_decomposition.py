@@ -57,6 +57,10 @@ def _check_separators(G, td):
         assert s.side_i | s.side_j | s.separator == V
         assert not (s.side_i & s.side_j) and not (s.separator & (s.side_i | s.side_j))
         assert (len(s.side_i), len(s.side_j)) == (s.size_i, s.size_j)
+        # the preorder slice is one whole side, away from the root
+        order, lo, hi = s.preorder_slice
+        assert sorted(order, key=repr) == sorted(V, key=repr)
+        assert frozenset(order[lo:hi]) in (s.side_i, s.side_j)
         # side_i holds exactly the non-separator vertices of the bags on i's side
         T = td.to_networkx()
         T.remove_edge(i, j)
