@@ -24,5 +24,5 @@ setup(
         # tensorflow-cpu); keras_hub's backbones import and run without tensorflow-text.
         "bench": ["keras-hub==0.32.0"],
     },
-    entry_points={"console_scripts": ["memsaving=memsaving.cli:main"]},
+    entry_points={"console_scripts": ["memsaving=memsaving.tools.cli:main"]},
 )

@@ -23,11 +23,11 @@ import time
 
 import numpy as np
 
-from memsaving.budget import plan_for_budget
+from memsaving.planners.budget import plan_for_budget
 from memsaving.errors import BudgetError
-from memsaving.exact import optimal_plan
-from memsaving.graph import chain_model
-from memsaving.simulate import simulate
+from memsaving.references.exact import optimal_plan
+from memsaving.model.graph import chain_model
+from memsaving.sim.simulate import simulate
 
 FRACTIONS = (0.4, 0.5, 0.6, 0.7, 0.8, 0.95)
 

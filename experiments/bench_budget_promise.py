@@ -95,7 +95,7 @@ import keras
 import tensorflow as tf
 
 from experiments.report import Table, machine
-from memsaving import models
+from memsaving.tools import models
 
 FRACTIONS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 QUICK_FRACTIONS = (0.4, 0.6, 0.8)
@@ -146,7 +146,7 @@ def _two_tower(quick: bool) -> Case:
 def _unet(quick: bool) -> Case:
     size, batch = (32, 2) if quick else (64, 4)
     return Case(models.unet(size), _normal(batch, size, size, 3), batch,
-                f"memsaving.models.unet, {size}x{size}, batch {batch}")
+                f"memsaving.tools.models.unet, {size}x{size}, batch {batch}")
 
 
 def _attention(quick: bool) -> Case:

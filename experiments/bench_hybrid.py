@@ -8,7 +8,7 @@ under the same cost model, of
 * recompute-only: the budget DP's single-level plan;
 * swap-only: nothing recomputed, every tensor the backward pass reads swapped
   (TFLMS);
-* hybrid: ``memsaving.hybrid.plan_hybrid`` (swap="auto");
+* hybrid: ``memsaving.planners.hybrid.plan_hybrid`` (swap="auto");
 
 for two accelerators behind PCIe 3 x16 (16 GB/s): a fast one (15 TFLOP/s,
 where transfers are the bottleneck) and a slow one (1 TFLOP/s).  "-" = the
@@ -24,13 +24,13 @@ import argparse
 import time
 
 import memsaving  # noqa: F401  (allocator setup before TensorFlow)
-from memsaving import candidates as cand
+from memsaving.candidates import cuts as cand
 from memsaving.errors import BudgetError
-from memsaving.hybrid import plan_hybrid
-from memsaving.layer_graph import layer_graph_model
-from memsaving.models import build
-from memsaving.simulate import simulate
-from memsaving.swap import CostModel
+from memsaving.planners.hybrid import plan_hybrid
+from memsaving.references.layer_graph import layer_graph_model
+from memsaving.tools.models import build
+from memsaving.sim.simulate import simulate
+from memsaving.sim.swap import CostModel
 
 FRACTIONS = (0.3, 0.5, 0.7, 0.9)
 DEVICES = {

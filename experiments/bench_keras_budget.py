@@ -1,7 +1,7 @@
 """Budget sweep on the op graphs of real Keras training steps.
 
 For VGG16, ResNet50, MobileNetV2 (keras.applications, weights=None) and a
-small U-Net (memsaving.models.unet), the training step's op graph is extracted and, for
+small U-Net (memsaving.tools.models.unet), the training step's op graph is extracted and, for
 budgets from 0.4 to 0.95 of the keep-everything activation peak, three
 strategies are scored by the same simulator:
 
@@ -28,13 +28,13 @@ import memsaving  # noqa: F401  (allocator setup before TensorFlow)
 import keras
 import tensorflow as tf
 
-from memsaving import candidates as cand
-from memsaving.budget import greedy_plans, select_for_budget
+from memsaving.candidates import cuts as cand
+from memsaving.planners.budget import greedy_plans, select_for_budget
 from memsaving.errors import BudgetError
-from memsaving.extract import graph_model
-from memsaving.forward import forward_graph
-from memsaving.models import BUILDERS as MODELS
-from memsaving.simulate import simulate
+from memsaving.tf.extract import graph_model
+from memsaving.tf.forward import forward_graph
+from memsaving.tools.models import BUILDERS as MODELS
+from memsaving.sim.simulate import simulate
 
 FRACTIONS = (0.4, 0.5, 0.6, 0.7, 0.8, 0.95)
 
@@ -57,7 +57,7 @@ def step_model(model, batch: int, size: int):
 
 
 def greedy(model, cuts, budget):
-    """Chen's greedy (memsaving.budget.greedy_plans): the cheapest plan that fits."""
+    """Chen's greedy (memsaving.planners.budget.greedy_plans): the cheapest plan that fits."""
     best = None
     for chosen in greedy_plans([b for _, b in cuts], model.activation_bytes()):
         ops = sorted({i for k in chosen for i in cuts[k][0]})

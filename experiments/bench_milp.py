@@ -1,8 +1,8 @@
 """Budget plans against the Checkmate MILP, on layer-level Keras graphs.
 
 For VGG16, ResNet50, MobileNetV2 (keras.applications, weights=None) and the
-U-Net of :mod:`memsaving.models`, the layer-level graph of the
-training step (:mod:`memsaving.layer_graph`) is planned under budgets from
+U-Net of :mod:`memsaving.tools.models`, the layer-level graph of the
+training step (:mod:`memsaving.references.layer_graph`) is planned under budgets from
 0.4 to 0.95 of the keep-everything activation peak (budget = resident +
 fraction * (plain peak - resident)).  Printed side by side, as total compute
 (forward + recompute + backward) relative to plain backprop, all replayed by
@@ -11,11 +11,11 @@ the same simulator:
 * the DP over candidate cuts alone (``select_for_budget``, candidates from
   ``memory_candidates``; "cut DP"),
 * ``plan_for_budget``, what ``gradients(..., budget=)`` runs ("memsaving"):
-  the cut DP's plan, its per-op refinements (``memsaving.refine``) and
+  the cut DP's plan, its per-op refinements (``memsaving.planners.refine``) and
   multi-level (recursive) plans, the cheapest that fits,
 * Chen et al.'s sqrt(n) cuts and Chen's greedy (best of ``greedy_plans``
   that fits),
-* the MILP optimum over Checkmate schedules (``memsaving.milp``), replayed;
+* the MILP optimum over Checkmate schedules (``memsaving.references.milp``), replayed;
   ``*`` marks a schedule not proven optimal in the time limit, and the
   lower-bound column gives what no schedule can beat.
 
@@ -38,12 +38,12 @@ import memsaving  # noqa: F401  (allocator setup before TensorFlow)
 import keras
 
 from experiments.bench_keras_budget import BUILDERS, FRACTIONS, greedy
-from memsaving import candidates as cand
-from memsaving.budget import plan_for_budget, select_for_budget
+from memsaving.candidates import cuts as cand
+from memsaving.planners.budget import plan_for_budget, select_for_budget
 from memsaving.errors import BudgetError
-from memsaving.layer_graph import layer_graph_model
-from memsaving.milp import MAX_NODES, run_milp, training_graph
-from memsaving.simulate import simulate
+from memsaving.references.layer_graph import layer_graph_model
+from memsaving.references.milp import MAX_NODES, run_milp, training_graph
+from memsaving.sim.simulate import simulate
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Swap plans: measured peak against predicted, with the host-store backend.
 
 This machine has no GPU, so device and host share one allocator; the test
-backend (``memsaving.swap_rewrite.HostStoreBackend``) moves swapped bytes
+backend (``memsaving.tf.swap_rewrite.HostStoreBackend``) moves swapped bytes
 into a numpy store outside TensorFlow's allocator, which makes what swapping
 saves measurable.  For tanh MLPs of several shapes and both trigger
 strategies, every tensor the backward pass reads is swapped
@@ -21,7 +21,7 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 import memsaving  # noqa: E402  (allocator setup before TensorFlow)
 import tensorflow as tf  # noqa: E402
-from memsaving.swap_rewrite import HostStoreBackend  # noqa: E402
+from memsaving.tf.swap_rewrite import HostStoreBackend  # noqa: E402
 
 # depth, width, batch, swap_lb, swap_trigger
 CONFIGS = [

@@ -1,6 +1,6 @@
 """The largest batch that fits a fixed memory budget (the TFLMS / Checkmate table).
 
-For each built-in model (``memsaving.models``) the budget is 1.1x the
+For each built-in model (``memsaving.tools.models``) the budget is 1.1x the
 measured peak of one plain training step at a base batch (the gradients reduced to a
 scalar in the step; memory in use before the step is not counted).  Then,
 for each method, the batch is doubled while the measured peak fits and
@@ -27,7 +27,7 @@ import tensorflow as tf
 
 import memsaving
 from experiments.report import Table, plot_bars, progress
-from memsaving.models import build
+from memsaving.tools.models import build
 
 METHODS = ("plain", "memory", "budget", "hybrid (predicted)")
 HEADROOM = 0.8

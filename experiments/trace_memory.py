@@ -25,7 +25,7 @@ from typing import Callable, List, Optional
 import memsaving  # noqa: F401  (sets TF_CPU_ALLOCATOR_USE_BFC before TensorFlow starts)
 import tensorflow as tf
 
-from memsaving.measure import bytes_in_use
+from memsaving.tf.measure import bytes_in_use
 
 KIB = 2 ** 10
 DEFAULT_MODELS = "efficientnetb0,resnet50v2,mlp24,gpt2"

@@ -8,8 +8,13 @@ being kept alive from the forward pass (gradient checkpointing).
 not been imported yet, because the CPU allocator only reports peak memory
 (used by :func:`measure_peak`) when that variable is set before TensorFlow
 starts.
+
+The public names load their modules on first use, so that the planning side
+(``memsaving.model``, ``sim``, ``candidates``, ``planners``, ``references``)
+imports without TensorFlow.  README, "Architecture", draws the layers.
 """
 
+import importlib as _importlib
 import os as _os
 import sys as _sys
 
@@ -23,33 +28,45 @@ from memsaving.errors import (  # noqa: E402
     PeakMemoryUnavailableError,
     UnsupportedGraphError,
 )
-from memsaving.marking import checkpoint, CHECKPOINTS_COLLECTION  # noqa: E402
-from memsaving.gradients import (  # noqa: E402
-    gradients,
-    gradients_and_plan,
-    gradients_collection,
-    gradients_memory,
-    gradients_speed,
-    plan,
-)
-from memsaving.patching import patch, patched, unpatch  # noqa: E402
-from memsaving.planning import Plan  # noqa: E402
-from memsaving.measure import measure_peak, measure_peak_increase  # noqa: E402
-from memsaving.fit_budget import fit_to_budget  # noqa: E402
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "checkpoint": "memsaving.tf.marking",
+    "CHECKPOINTS_COLLECTION": "memsaving.tf.marking",
+    "gradients": "memsaving.api",
+    "gradients_and_plan": "memsaving.api",
+    "gradients_collection": "memsaving.api",
+    "gradients_memory": "memsaving.api",
+    "gradients_speed": "memsaving.api",
+    "plan": "memsaving.api",
+    "patch": "memsaving.patching",
+    "patched": "memsaving.patching",
+    "unpatch": "memsaving.patching",
+    "Plan": "memsaving.planners.planning",
+    "measure_peak": "memsaving.tf.measure",
+    "measure_peak_increase": "memsaving.tf.measure",
+    "fit_to_budget": "memsaving.fit_budget",
+    "timeline": "memsaving.tools.memory_timeline",
+    "plot_timeline": "memsaving.tools.memory_timeline",
+    "Timeline": "memsaving.tools.memory_timeline",
+}
+"""Public name -> the module that defines it."""
+
 
 def __getattr__(name):
-    """``memsaving.keras``, ``memsaving.timeline`` and ``memsaving.plot_timeline``
-    load on first use (Keras and matplotlib cost seconds to import)."""
-    import importlib
-
+    """Load a public name's module on first use and keep the name."""
     if name == "keras":
-        return importlib.import_module("memsaving.keras")
-    if name in ("timeline", "plot_timeline", "Timeline"):
-        return getattr(importlib.import_module("memsaving.memory_timeline"), name)
-    raise AttributeError(f"module 'memsaving' has no attribute {name!r}")
+        return _importlib.import_module("memsaving.keras")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'memsaving' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY) | {"keras"})
 
 
 __all__ = [

@@ -2,6 +2,6 @@
 
 import sys
 
-from memsaving.cli import main
+from memsaving.tools.cli import main
 
 sys.exit(main())

@@ -31,10 +31,10 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 import numpy as np
 import tensorflow as tf
 
-from memsaving.budget import format_bytes, parse_bytes
+from memsaving.planners.budget import format_bytes, parse_bytes
 from memsaving.errors import BudgetError
-from memsaving.measure import bytes_in_use, measure_peak
-from memsaving.planning import Plan
+from memsaving.tf.measure import bytes_in_use, measure_peak
+from memsaving.planners.planning import Plan
 
 logger = logging.getLogger("memsaving")
 

@@ -38,13 +38,13 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import keras
 import tensorflow as tf
 
-from memsaving.budget import format_bytes, parse_bytes
+from memsaving.planners.budget import format_bytes, parse_bytes
 from memsaving.errors import PeakMemoryUnavailableError
 from memsaving.fit_budget import (MEASURED_STEPS, Calibration, CalibrationRound, budget_margin, calibration_error,
                                   next_margin, nothing_lower_to_try, planning_budget_for, why_nothing_fits)
-from memsaving.gradients import gradients_and_plan
-from memsaving.measure import default_device, peak_bytes, reset_peak
-from memsaving.planning import Plan
+from memsaving.api import gradients_and_plan
+from memsaving.tf.measure import default_device, peak_bytes, reset_peak
+from memsaving.planners.planning import Plan
 
 logger = logging.getLogger("memsaving")
 

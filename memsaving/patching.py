@@ -38,8 +38,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import tensorflow as tf
 
-from memsaving.checkpoints import Checkpoints
-from memsaving.gradients import (
+from memsaving.tf.checkpoints import Checkpoints
+from memsaving.api import (
     ACCEPTED_KEYWORDS,
     ORIGINAL_TF_COMPAT_V1_GRADIENTS,
     ORIGINAL_TF_GRADIENTS,

@@ -13,7 +13,7 @@ import pytest
 
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# Kernel profiles (memsaving.profiles) are cached on disk; a fresh folder per
+# Kernel profiles (memsaving.tf.profiles) are cached on disk; a fresh folder per
 # run keeps a test's predictions from depending on what earlier runs cached.
 os.environ["MEMSAVING_CACHE_DIR"] = tempfile.mkdtemp(prefix="memsaving-test-profiles-")
 

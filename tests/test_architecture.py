@@ -2,7 +2,8 @@
 
 Data flows one way: TensorFlow graph -> graph model -> candidates ->
 planners -> a plan the simulator scores -> the TensorFlow emitter.  Only the
-two ends touch TensorFlow.  This file names the layer of every module and
+two ends touch TensorFlow.  Each subpackage of memsaving is a layer; the few
+modules directly in memsaving/ are placed in one by TOP_LEVEL.  This file
 fails when
 
 * a module imports from a layer it may not (an upward import, or the
@@ -12,8 +13,10 @@ fails when
 * a private name (``_name``) is imported from another module, or read as an
   attribute of an imported module; a private module (``_elimination``) is
   imported from outside its package;
-* a module of the planning side imports TensorFlow or Keras;
-* a module of the package is in no layer (a new module must be placed).
+* a module of the planning side imports TensorFlow or Keras, or importing
+  it loads TensorFlow;
+* a module is in no layer, or memsaving/ holds more than MAX_TOP_LEVEL
+  modules (a new module goes in a subpackage).
 
 README, "Architecture", draws the layers.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
 import sys
 from typing import Dict, List, Set, Tuple
 
@@ -30,25 +34,30 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("memsaving", "treedecomp")
 
-LAYERS: Dict[str, Set[str]] = {
-    # the framework-neutral model of a step: ops, tensors, units, buffers
-    "model": {"graph", "schedule", "errors", "buffers", "parameters"},
-    # replaying a plan on the model: actions, the simulator, swap timing
-    "sim": {"actions", "simulate", "swap", "executor", "replay"},
-    # checkpoint candidates from graph structure
-    "candidates": {"candidates", "selection"},
-    # choosing what to keep, recompute or swap; the result type
-    "planners": {"budget", "chain", "nested", "refine", "hybrid", "modes", "planning"},
-    # exact references the planners are compared with
-    "references": {"exact", "milp", "layer_graph"},
-    # the TensorFlow end: reading graphs, profiling, rewriting, measuring
-    "tf": {"marking", "forward", "extract", "checkpoints", "rewrite", "swap_rewrite", "order", "aggregation",
-           "loop_pinning", "profiles", "measure"},
-    # what users call
-    "api": {"__init__", "gradients", "fit_budget", "patching", "keras"},
-    # commands, demo, built-in models, timelines
-    "tools": {"__main__", "cli", "demo", "models", "plan_command", "memory_timeline"},
+SUBPACKAGES: Dict[str, str] = {
+    "model": "the framework-neutral model of a step: ops, tensors, units, buffer keys",
+    "sim": "replaying a plan on the model: actions, the simulator, swap timing",
+    "candidates": "checkpoint candidates from graph structure",
+    "planners": "choosing what to keep, recompute or swap; the plan type",
+    "references": "exact references the planners are compared with",
+    "tf": "the TensorFlow end: reading graphs, profiling, rewriting, measuring",
+    "tools": "commands, demo, built-in models, timelines",
 }
+"""Each subpackage of memsaving is the layer of the same name."""
+
+TOP_LEVEL: Dict[str, str] = {
+    "memsaving": "api",  # the package's __init__: what users import
+    "memsaving.api": "api",
+    "memsaving.fit_budget": "api",
+    "memsaving.patching": "api",
+    "memsaving.keras": "api",
+    "memsaving.errors": "model",  # every layer raises these
+    "memsaving.__main__": "tools",
+}
+"""The layer of each module directly in memsaving/."""
+
+MAX_TOP_LEVEL = 12
+"""At most this many modules directly in memsaving/; the rest go in a layer."""
 
 ALLOWED: Dict[str, Set[str]] = {
     "model": {"model"},
@@ -65,14 +74,17 @@ ALLOWED: Dict[str, Set[str]] = {
 TENSORFLOW_FREE = {"model", "sim", "candidates", "planners", "references"}
 FRAMEWORKS = ("tensorflow", "keras", "tf_keras")
 
-Module = str  # dotted name, "memsaving.simulate"
+Module = str  # dotted import name: "memsaving", "memsaving.sim", "memsaving.sim.simulate"
 
 
 def _module_files() -> Dict[Module, pathlib.Path]:
     found = {}
     for package in PACKAGES:
-        for path in sorted((ROOT / package).glob("*.py")):
-            found[f"{package}.{path.stem}"] = path
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
     return found
 
 
@@ -83,12 +95,19 @@ def _package(module: Module) -> str:
     return module.split(".")[0]
 
 
+def _is_package(module: Module) -> bool:
+    return FILES[module].name == "__init__.py"
+
+
 def _resolve(module: Module, node: ast.ImportFrom) -> str:
     """The absolute module an ``import from`` names."""
     if node.level == 0:
         return node.module or ""
-    base = _package(module)  # the packages are flat: one level up is the package
-    return base + ("." + node.module if node.module else "")
+    parts = module.split(".")
+    if not _is_package(module):
+        parts = parts[:-1]  # a module's "." is its package
+    parts = parts[:len(parts) - (node.level - 1)]
+    return ".".join(parts + ([node.module] if node.module else []))
 
 
 def _imports(module: Module) -> List[Tuple[Module, str, int]]:
@@ -113,16 +132,12 @@ def _imports(module: Module) -> List[Tuple[Module, str, int]]:
 
 def _first_party(name: str) -> Module:
     """The module file ``name`` (a dotted import) refers to, or ''."""
-    if name in FILES:
-        return name
-    if name in PACKAGES:
-        return f"{name}.__init__"
-    return ""
+    return name if name in FILES else ""
 
 
 def _module_aliases(module: Module) -> Dict[str, Module]:
-    """Local names bound to first-party modules (``from memsaving import
-    candidates``, ``import treedecomp``)."""
+    """Local names bound to first-party modules (``from memsaving.candidates
+    import cuts``, ``import treedecomp``)."""
     tree = ast.parse(FILES[module].read_text())
     bound = {}
     for node in ast.walk(tree):
@@ -140,10 +155,12 @@ def _module_aliases(module: Module) -> Dict[str, Module]:
 
 
 def _layer(module: Module) -> str:
-    if not module.startswith("memsaving."):
+    if _package(module) != "memsaving":
         return ""
-    stem = module.split(".", 1)[1]
-    return next((layer for layer, members in LAYERS.items() if stem in members), "")
+    parts = module.split(".")
+    if len(parts) >= 2 and parts[1] in SUBPACKAGES:
+        return parts[1]
+    return TOP_LEVEL.get(module, "")
 
 
 def _edges() -> Dict[Module, Set[Module]]:
@@ -157,12 +174,18 @@ def _edges() -> Dict[Module, Set[Module]]:
 
 
 def test_every_module_has_a_layer():
-    placed = [stem for members in LAYERS.values() for stem in members]
-    assert len(placed) == len(set(placed)), "a module is in two layers"
-    missing = sorted(m for m in FILES if m.startswith("memsaving.") and not _layer(m))
-    assert not missing, f"place these modules in a layer of tests/test_architecture.py LAYERS: {missing}"
-    gone = sorted(stem for stem in placed if f"memsaving.{stem}" not in FILES)
-    assert not gone, f"LAYERS names modules that do not exist: {gone}"
+    missing = sorted(m for m in FILES if _package(m) == "memsaving" and not _layer(m))
+    assert not missing, ("put these modules in a subpackage, or name their layer in "
+                         f"tests/test_architecture.py TOP_LEVEL: {missing}")
+    gone = sorted(m for m in TOP_LEVEL if m not in FILES)
+    assert not gone, f"TOP_LEVEL names modules that do not exist: {gone}"
+    absent = sorted(p for p in SUBPACKAGES if f"memsaving.{p}" not in FILES)
+    assert not absent, f"SUBPACKAGES names packages without an __init__.py: {absent}"
+
+
+def test_few_modules_directly_in_the_package():
+    top = sorted(path.stem for path in (ROOT / "memsaving").glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL, f"{len(top)} modules in memsaving/ (at most {MAX_TOP_LEVEL}): {top}"
 
 
 def test_imports_go_down_the_layers():
@@ -174,7 +197,7 @@ def test_imports_go_down_the_layers():
             if not target:
                 continue
             if _package(target) != _package(module):
-                if module.startswith("treedecomp."):
+                if _package(module) == "treedecomp":
                     wrong.append(f"{module}:{line} imports {target}: treedecomp stands alone")
                 continue
             if layer and _layer(target) not in ALLOWED[layer]:
@@ -209,8 +232,9 @@ def test_no_private_name_crosses_a_module():
             target = _first_party(source)
             if not target or target == module:
                 continue
-            stem = target.split(".")[1]
-            if stem.startswith("_") and not stem.startswith("__") and _package(target) != _package(module):
+            stem = target.split(".")[-1]
+            outside = not module.startswith(target.rsplit(".", 1)[0] + ".")
+            if stem.startswith("_") and not stem.startswith("__") and outside:
                 wrong.append(f"{module}:{line} imports the private module {target}")
             if name.startswith("_") and not name.startswith("__"):
                 wrong.append(f"{module}:{line} imports {target}.{name}")
@@ -234,19 +258,40 @@ def test_planning_side_never_imports_tensorflow(layer):
     assert not wrong, f"the {layer} layer must run without TensorFlow:\n" + "\n".join(wrong)
 
 
+def test_planning_side_imports_without_tensorflow():
+    """Importing every planning-side module (and treedecomp) in a fresh
+    interpreter loads no framework: the package's ``__init__`` must not pull
+    TensorFlow in on the way."""
+    modules = sorted(m for m in FILES if _layer(m) in TENSORFLOW_FREE or _package(m) == "treedecomp")
+    script = ("import importlib, sys\n"
+              f"for name in {modules!r}:\n"
+              "    importlib.import_module(name)\n"
+              f"print(sorted(n for n in sys.modules if n.split('.')[0] in {FRAMEWORKS!r}))\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", f"loaded: {result.stdout.strip()}"
+
+
 def test_the_checks_catch_what_they_guard(tmp_path, monkeypatch):
     """The checks fail on a planted upward import, cycle and private import."""
     bad = tmp_path / "memsaving"
-    bad.mkdir()
-    (bad / "graph.py").write_text("from memsaving.simulate import Simulation\n")
-    (bad / "simulate.py").write_text("from memsaving.graph import _hidden\nimport tensorflow\n")
+    (bad / "model").mkdir(parents=True)
+    (bad / "sim").mkdir()
+    (bad / "model" / "graph.py").write_text("from memsaving.sim.simulate import Simulation\n")
+    (bad / "sim" / "simulate.py").write_text("from memsaving.model.graph import _hidden\nimport tensorflow\n")
+    (bad / "stray.py").write_text("")
     monkeypatch.setattr(sys.modules[__name__], "FILES", {
-        "memsaving.graph": bad / "graph.py", "memsaving.simulate": bad / "simulate.py"})
-    with pytest.raises(AssertionError, match="memsaving.graph:1 \\(model\\) imports memsaving.simulate"):
+        "memsaving.model.graph": bad / "model" / "graph.py",
+        "memsaving.sim.simulate": bad / "sim" / "simulate.py",
+        "memsaving.stray": bad / "stray.py"})
+    with pytest.raises(AssertionError, match="memsaving.model.graph:1 \\(model\\) imports memsaving.sim.simulate"):
         test_imports_go_down_the_layers()
-    with pytest.raises(AssertionError, match="memsaving.graph -> memsaving.simulate -> memsaving.graph"):
+    with pytest.raises(AssertionError, match="memsaving.model.graph -> memsaving.sim.simulate -> memsaving.model"):
         test_no_import_cycle()
-    with pytest.raises(AssertionError, match="imports memsaving.graph._hidden"):
+    with pytest.raises(AssertionError, match="imports memsaving.model.graph._hidden"):
         test_no_private_name_crosses_a_module()
-    with pytest.raises(AssertionError, match="memsaving.simulate:2 imports tensorflow"):
+    with pytest.raises(AssertionError, match="memsaving.sim.simulate:2 imports tensorflow"):
         test_planning_side_never_imports_tensorflow("sim")
+    with pytest.raises(AssertionError, match="memsaving.stray"):
+        test_every_module_has_a_layer()

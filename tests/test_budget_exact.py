@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-from memsaving.budget import select_for_budget
+from memsaving.planners.budget import select_for_budget
 from memsaving.errors import BudgetError
-from memsaving.exact import optimal_plan
-from memsaving.graph import chain_model
-from memsaving.simulate import simulate
+from memsaving.references.exact import optimal_plan
+from memsaving.model.graph import chain_model
+from memsaving.sim.simulate import simulate
 
 
 def _random_chains(count, n, seed):

@@ -4,8 +4,8 @@ gradients consumed by their own kernels."""
 
 from dataclasses import replace
 
-from memsaving.graph import GraphModel, OpInfo, TensorInfo, chain_model, gradient_sinks, without_forwarding
-from memsaving.simulate import simulate
+from memsaving.model.graph import GraphModel, OpInfo, TensorInfo, chain_model, gradient_sinks, without_forwarding
+from memsaving.sim.simulate import simulate
 
 SIZE = 100
 

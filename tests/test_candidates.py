@@ -3,9 +3,10 @@
 import networkx as nx
 import pytest
 
-from memsaving import candidates, parameters
-from memsaving.graph import GraphModel, OpInfo, TensorInfo, chain_model
-from memsaving.selection import bottlenecks
+from memsaving.candidates import cuts as candidates
+from memsaving.model import parameters
+from memsaving.model.graph import GraphModel, OpInfo, TensorInfo, chain_model
+from memsaving.candidates.selection import bottlenecks
 
 
 def towers(k: int, depth: int) -> GraphModel:

@@ -4,8 +4,8 @@ import dataclasses
 import os
 
 import memsaving
-from memsaving.cli import main
-from memsaving.demo import run_demo
+from memsaving.tools.cli import main
+from memsaving.tools.demo import run_demo
 
 from helpers import in_a_fresh_process
 

@@ -5,7 +5,7 @@ whose gradient is a Python closure reading the ORIGINAL ``x`` (it recomputes
 the sigmoid).  Two fixes are guarded here, on 8 ``Dense(256, "silu")``
 layers, batch 512 (0.5 MiB per activation):
 
-* the graph model (:func:`memsaving.extract.custom_gradient`): the IdentityN's
+* the graph model (:func:`memsaving.tf.extract.custom_gradient`): the IdentityN's
   outputs are views, its gradient reads what the closure captured, and the
   ops computing ``x * sigmoid(x)`` are never differentiated.  Before, the
   model held five activations per layer instead of two: plain predicted
@@ -108,7 +108,7 @@ def test_grappler_optimizes_the_rewritten_step(silu_stack):
     makes wait on the incoming gradient; Grappler's constant folding moved it
     into the last layer's forward ``x * sigmoid(x)`` and made a cycle, so the
     whole step ran unoptimized (memory mode measured 5.75 MiB, 4.00 with the
-    constant released: :func:`memsaving.rewrite.release_gradient_constants`)."""
+    constant released: :func:`memsaving.tf.rewrite.release_gradient_constants`)."""
     figures = silu_stack[2]
     assert not figures["plain grappler failures"]
     assert not figures["memory grappler failures"]

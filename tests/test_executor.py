@@ -4,10 +4,10 @@ import random
 
 import pytest
 
-from memsaving.executor import dependencies, durations, executor_order, unpinned_orders
-from memsaving.graph import GraphModel, OpInfo, TensorInfo
-from memsaving.buffers import Action, memory_replay
-from memsaving.simulate import simulate
+from memsaving.sim.executor import dependencies, durations, executor_order, unpinned_orders
+from memsaving.model.graph import GraphModel, OpInfo, TensorInfo
+from memsaving.model.buffers import Action, memory_replay
+from memsaving.sim.simulate import simulate
 
 
 def _random_actions(rng: random.Random, n: int):
@@ -78,6 +78,6 @@ def test_only_a_parallel_model_is_reordered():
 def test_module_examples():
     import doctest
 
-    from memsaving import executor as module
+    from memsaving.sim import executor as module
     results = doctest.testmod(module)
     assert results.attempted > 0 and results.failed == 0

@@ -5,8 +5,8 @@ measured peak of a dropout stack against the prediction."""
 import tensorflow as tf
 
 import memsaving
-from memsaving.extract import graph_model
-from memsaving.forward import forward_graph
+from memsaving.tf.extract import graph_model
+from memsaving.tf.forward import forward_graph
 
 MIB = 2 ** 20
 

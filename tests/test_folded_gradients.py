@@ -4,8 +4,8 @@ it as resident memory, and the allocator shows it held after the first run."""
 import tensorflow as tf
 
 import memsaving
-from memsaving.extract import MAX_FOLDED_BYTES, graph_model
-from memsaving.forward import forward_graph
+from memsaving.tf.extract import MAX_FOLDED_BYTES, graph_model
+from memsaving.tf.forward import forward_graph
 
 from helpers import in_a_fresh_process
 

@@ -5,12 +5,12 @@ import tensorflow as tf
 
 import memsaving
 from helpers import assert_close
-from memsaving import candidates
+from memsaving.candidates import cuts as candidates
 from memsaving.errors import BudgetError
-from memsaving.graph import chain_model
-from memsaving.hybrid import plan_hybrid
-from memsaving.simulate import simulate
-from memsaving.swap import CostModel
+from memsaving.model.graph import chain_model
+from memsaving.planners.hybrid import plan_hybrid
+from memsaving.sim.simulate import simulate
+from memsaving.sim.swap import CostModel
 
 
 def _model():

@@ -24,10 +24,10 @@ same step can differ by one or two activations (and more under CPU load), so
 each figure is the smallest over ``TRACES`` traces of ``RUNS`` runs after a
 warm-up run.
 
-Guards for two fixes: bias gradients waited on (memsaving.rewrite
+Guards for two fixes: bias gradients waited on (memsaving.tf.rewrite
 ``_fusable_bias_gradient``; without it memory mode saves little on biased
 layers: Dense, EinsumDense, DepthwiseConv2D, Dense+BatchNorm, Embedding+Dense)
-and kept views pinning their base buffer (memsaving.simulate
+and kept views pinning their base buffer (memsaving.sim.simulate
 ``_pin_view_bases``; without it the plan under-predicts and picks views as
 checkpoints: Conv1D, MultiHeadAttention, Embedding+Dense).
 """
@@ -266,7 +266,7 @@ FAMILIES = {
     # The same with biases (the Keras default).  13.47 / 6.48-6.57 / 6.0:
     # ratio 0.48-0.49, error -7..-9%.  It was a
     # known problem until the gradient ops ran in the planned order
-    # (memsaving.order): memory mode measured 8.0-14.5 from one process to
+    # (memsaving.tf.order): memory mode measured 8.0-14.5 from one process to
     # the next, and 8- or 16-layer stacks failed at run time with "nodes in
     # a cycle"; the ratio bound (0.6) is what guards that.
     "conv2d_bias": Family(_conv2d_bias, 0.6, 0.3, 0.2),
@@ -288,7 +288,7 @@ FAMILIES = {
     # activations).  Neither fix is caught: without the bias fix
     # ratio 0.51-0.54, error -32%; without the view fix ratio 0.46-0.48,
     # error -32%; the fixed code's error needs a tolerance that covers them.
-    # Running the gradient ops in the planned order (memsaving.order) costs
+    # Running the gradient ops in the planned order (memsaving.tf.order) costs
     # this family about one activation: memory mode 11.3 MiB in isolation,
     # 13.0 in a full suite run, against 10.0-10.9 before (cause not found;
     # the Dense and two-tower steps measure lower and steadier with it).

@@ -3,11 +3,11 @@
 import keras
 import pytest
 
-from memsaving.graph import validate_model
-from memsaving.layer_graph import layer_graph_model
-from memsaving.milp import solve_milp
-from memsaving.replay import plain_schedule, simulate_schedule
-from memsaving.simulate import simulate
+from memsaving.model.graph import validate_model
+from memsaving.references.layer_graph import layer_graph_model
+from memsaving.references.milp import solve_milp
+from memsaving.sim.replay import plain_schedule, simulate_schedule
+from memsaving.sim.simulate import simulate
 
 BATCH = 2
 

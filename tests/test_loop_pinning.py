@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import memsaving
-from memsaving.loop_pinning import LOOP_TYPES, pin_loop_iterations
+from memsaving.tf.loop_pinning import LOOP_TYPES, pin_loop_iterations
 
 
 def _loops(graph):

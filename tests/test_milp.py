@@ -5,14 +5,14 @@ import itertools
 import numpy as np
 import pytest
 
-from memsaving.budget import plan_for_budget
-from memsaving.candidates import articulation
+from memsaving.planners.budget import plan_for_budget
+from memsaving.candidates.cuts import articulation
 from memsaving.errors import BudgetError
-from memsaving.exact import optimal_plan
-from memsaving.graph import GraphModel, OpInfo, TensorInfo, chain_model, validate_model
-from memsaving.milp import peak_lower_bound, run_milp, solve_milp, training_graph
-from memsaving.replay import plain_schedule, plan_schedule, simulate_schedule
-from memsaving.simulate import simulate
+from memsaving.references.exact import optimal_plan
+from memsaving.model.graph import GraphModel, OpInfo, TensorInfo, chain_model, validate_model
+from memsaving.references.milp import peak_lower_bound, run_milp, solve_milp, training_graph
+from memsaving.sim.replay import plain_schedule, plan_schedule, simulate_schedule
+from memsaving.sim.simulate import simulate
 
 GAP = 1e-7  # solve to (near) proven optimality for the comparisons below
 

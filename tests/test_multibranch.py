@@ -12,9 +12,9 @@ import tensorflow as tf
 
 import memsaving
 from helpers import assert_close
-from memsaving import candidates
-from memsaving.extract import graph_model
-from memsaving.forward import forward_graph
+from memsaving.candidates import cuts as candidates
+from memsaving.tf.extract import graph_model
+from memsaving.tf.forward import forward_graph
 
 BATCH, WIDTH = 512, 64
 

@@ -3,13 +3,13 @@
 import numpy as np
 import pytest
 
-from memsaving.budget import plan_for_budget, select_for_budget
-from memsaving.chain import chain
+from memsaving.planners.budget import plan_for_budget, select_for_budget
+from memsaving.planners.chain import chain
 from memsaving.errors import BudgetError
-from memsaving.graph import chain_model
-from memsaving.nested import nested_dp
-from memsaving.schedule import backward_units, kept_set, validate_inner
-from memsaving.simulate import simulate
+from memsaving.model.graph import chain_model
+from memsaving.planners.nested import nested_dp
+from memsaving.model.schedule import backward_units, kept_set, validate_inner
+from memsaving.sim.simulate import simulate
 
 
 def _chain(n=40, seed=0, reads="both"):

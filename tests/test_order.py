@@ -1,4 +1,4 @@
-"""memsaving.order: a unit's gradient ops run in the order the plan was scored in.
+"""memsaving.tf.order: a unit's gradient ops run in the order the plan was scored in.
 
 Structure (graph only), gradients (equal to tf.gradients either way), a
 convolution net that must still run (oneDNN fuses bias gradients into filter
@@ -15,8 +15,8 @@ import tensorflow as tf
 
 import memsaving
 from helpers import in_a_fresh_process
-from memsaving import models
-from memsaving.order import METADATA, NEVER_WAITS, chain_gradient_groups, gradient_groups
+from memsaving.tools import models
+from memsaving.tf.order import METADATA, NEVER_WAITS, chain_gradient_groups, gradient_groups
 
 MIB = 2 ** 20
 

@@ -4,7 +4,7 @@ A graph whose input is ``tf.ones``, a learned input (a variable) or
 ``tf.ones * variable`` is computed from constants and variables alone, yet
 its activations are data that ``"memory"`` must checkpoint, while a weight's
 reshape, cast or transpose stays a parameter (rule:
-:func:`memsaving.parameters.parameter_ops`).
+:func:`memsaving.model.parameters.parameter_ops`).
 
 The first tests use hand-built neutral models (no TensorFlow graph); the
 others trace real steps and measure peaks with the CPU BFC allocator
@@ -17,10 +17,11 @@ import pytest
 import tensorflow as tf
 
 import memsaving
-from memsaving import candidates, parameters
-from memsaving.extract import graph_model
-from memsaving.forward import forward_graph
-from memsaving.graph import GraphModel, OpInfo, TensorInfo, validate_model
+from memsaving.candidates import cuts as candidates
+from memsaving.model import parameters
+from memsaving.tf.extract import graph_model
+from memsaving.tf.forward import forward_graph
+from memsaving.model.graph import GraphModel, OpInfo, TensorInfo, validate_model
 
 F32 = 4
 

@@ -13,7 +13,7 @@ import tensorflow as tf
 from tensorflow.python.ops import gradients as tf_gradients_module
 
 import memsaving
-from memsaving.gradients import ORIGINAL_TF_COMPAT_V1_GRADIENTS, ORIGINAL_TF_GRADIENTS
+from memsaving.api import ORIGINAL_TF_COMPAT_V1_GRADIENTS, ORIGINAL_TF_GRADIENTS
 
 DEPTH, WIDTH, BATCH = 20, 16, 4
 

@@ -9,8 +9,8 @@ import time
 import keras
 import pytest
 
-from memsaving.cli import main
-from memsaving.plan_command import run, trace_plans
+from memsaving.tools.cli import main
+from memsaving.tools.plan_command import run, trace_plans
 
 
 def _deep(h, depth=10, width=64):

@@ -1,5 +1,5 @@
 """Kernel temporaries: the simulator's rule on hand-made models, and the
-profiler (memsaving.profiles) against measured peaks.
+profiler (memsaving.tf.profiles) against measured peaks.
 
 The measured tests compare activation memory, as tests/test_plan.py does:
 the step's peak minus the memory in use before it, against the predicted
@@ -16,14 +16,15 @@ import tensorflow as tf
 import keras
 
 from helpers import in_a_fresh_process
-from memsaving import models, profiles
-from memsaving.graph import GraphModel, OpInfo, TensorInfo, chain_model
-from memsaving.replay import plain_schedule, simulate_schedule
-from memsaving.actions import step_actions
-from memsaving.buffers import memory_replay
-from memsaving.simulate import simulate
-from memsaving.schedule import backward_units, kept_set
-from memsaving.swap import CostModel, timed_replay
+from memsaving.tools import models
+from memsaving.tf import profiles
+from memsaving.model.graph import GraphModel, OpInfo, TensorInfo, chain_model
+from memsaving.sim.replay import plain_schedule, simulate_schedule
+from memsaving.sim.actions import step_actions
+from memsaving.model.buffers import memory_replay
+from memsaving.sim.simulate import simulate
+from memsaving.model.schedule import backward_units, kept_set
+from memsaving.sim.swap import CostModel, timed_replay
 
 MIB = 2 ** 20
 TOLERANCE = 0.15
@@ -210,7 +211,7 @@ def test_lstm_step(cache_dir):
     times too low.
 
     The step runs memsaving's gradient with nothing recomputed: its loops run
-    one iteration at a time (memsaving.loop_pinning), as the profiler measures
+    one iteration at a time (memsaving.tf.loop_pinning), as the profiler measures
     them.  Under ``tf.gradients`` the same step's peak drifts from 0.7 to
     2.2 MiB as the executor starts more iterations at once."""
     inputs = keras.Input((32, 16))

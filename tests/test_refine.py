@@ -1,12 +1,12 @@
-"""Per-op keep/recompute refinement of plans (memsaving.refine), without TensorFlow."""
+"""Per-op keep/recompute refinement of plans (memsaving.planners.refine), without TensorFlow."""
 
 import random
 
-from memsaving.budget import plan_for_budget, select_for_budget
+from memsaving.planners.budget import plan_for_budget, select_for_budget
 from memsaving.errors import BudgetError
-from memsaving.graph import chain_model
-from memsaving.refine import drop_from_keep_all, keep_more, recomputed_ops
-from memsaving.simulate import simulate
+from memsaving.model.graph import chain_model
+from memsaving.planners.refine import drop_from_keep_all, keep_more, recomputed_ops
+from memsaving.sim.simulate import simulate
 
 
 def _chains(count, seed):

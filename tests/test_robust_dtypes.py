@@ -7,8 +7,8 @@ import pytest
 import tensorflow as tf
 
 import memsaving
-from memsaving.extract import graph_model
-from memsaving.forward import forward_graph
+from memsaving.tf.extract import graph_model
+from memsaving.tf.forward import forward_graph
 
 DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int32, tf.int64, tf.bool]
 

@@ -2,13 +2,13 @@
 
 import pytest
 
-from memsaving.budget import parse_bytes, select_for_budget
+from memsaving.planners.budget import parse_bytes, select_for_budget
 from memsaving.errors import BudgetError
-from memsaving.graph import GraphModel, OpInfo, TensorInfo, chain_model, validate_model
-from memsaving.planning import make_plan
-from memsaving.schedule import backward_units, kept_set
-from memsaving.simulate import simulate
-from memsaving.swap import CostModel
+from memsaving.model.graph import GraphModel, OpInfo, TensorInfo, chain_model, validate_model
+from memsaving.planners.planning import make_plan
+from memsaving.model.schedule import backward_units, kept_set
+from memsaving.sim.simulate import simulate
+from memsaving.sim.swap import CostModel
 
 
 def test_plain_chain_holds_every_activation():
@@ -143,7 +143,7 @@ def test_a_parallel_executor_runs_ready_gradient_kernels_before_the_recomputatio
 def test_ready_gradients_first_examples():
     import doctest
 
-    from memsaving import actions as module
+    from memsaving.sim import actions as module
     finder = doctest.DocTestFinder()
     tests = [t for t in finder.find(module) if t.name.endswith("ready_gradients_first")]
     assert tests and tests[0].examples

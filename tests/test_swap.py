@@ -8,7 +8,7 @@ from tensorflow.python.eager import context
 
 import memsaving
 from helpers import assert_close, in_a_fresh_process, run_session, run_tf_function
-from memsaving.swap_rewrite import HostStoreBackend
+from memsaving.tf.swap_rewrite import HostStoreBackend
 from model_zoo import ALL_MODELS
 
 HOST = "/CPU:1"  # the second logical CPU stands in for host memory

@@ -1,11 +1,11 @@
 """Swapping on the neutral model: inserted copies, three-stream timing, peaks."""
 
-from memsaving.graph import GraphModel, OpInfo, TensorInfo, chain_model
-from memsaving.schedule import backward_units, kept_set
-from memsaving.actions import step_actions
-from memsaving.buffers import memory_replay
-from memsaving.simulate import simulate
-from memsaving.swap import CostModel, swappable, timed_replay
+from memsaving.model.graph import GraphModel, OpInfo, TensorInfo, chain_model
+from memsaving.model.schedule import backward_units, kept_set
+from memsaving.sim.actions import step_actions
+from memsaving.model.buffers import memory_replay
+from memsaving.sim.simulate import simulate
+from memsaving.sim.swap import CostModel, swappable, timed_replay
 
 
 def _model(n=40):

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import memsaving
-from memsaving.cli import main
+from memsaving.tools.cli import main
 
 WIDTH, DEPTH, BATCH = 128, 24, 512
 

@@ -1,0 +1,562 @@
+"""``memsaving.gradients``: a drop-in for ``tf.gradients`` that recomputes.
+
+The call finds the forward ops between ``xs`` and ``ys``, resolves the
+checkpoints, and builds the backward pass segment by segment (see
+:mod:`memsaving.tf.rewrite`).  Gradients are those of ``tf.gradients``; only the
+memory held during backprop (and the compute spent) change.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework import indexed_slices
+from tensorflow.python.ops import control_flow_util, resource_variable_ops
+from tensorflow.python.ops import gradients_impl as _gradients_impl
+
+from memsaving.candidates import cuts as candidates
+from memsaving.planners.budget import parse_bytes, plan_for_budget
+from memsaving.tf.checkpoints import Checkpoints, resolve_checkpoints
+from memsaving.planners.modes import memory_checkpoints, speed_checkpoints
+from memsaving.errors import CheckpointError
+from memsaving import fit_budget as _calibration
+from memsaving.tf.extract import graph_model
+from memsaving.tf.forward import forward_graph, ops_made_in
+from memsaving.tf.measure import bytes_in_use
+from memsaving.planners.planning import Plan, make_plan
+from memsaving.planners.hybrid import plan_hybrid
+from memsaving.tf.loop_pinning import pin_loop_iterations
+from memsaving.tf.rewrite import BackwardBuilder
+from memsaving.model.schedule import kept_set
+from memsaving.sim.swap import CostModel, swap_candidates
+from memsaving.tf.swap_rewrite import SwapOptions, insert_swaps
+
+logger = logging.getLogger("memsaving")
+
+# AutoGraph would otherwise transpile this library's Python on every trace
+# inside tf.function (it converts every function it does not know), which
+# made graph building several times slower and is never needed: the rewrite
+# emits ops, it has no tensor-dependent Python control flow.
+_do_not_convert = tf.autograph.experimental.do_not_convert
+
+TensorLike = Union[tf.Tensor, tf.Variable]
+
+# TensorFlow's own gradient functions (tf.gradients, tf.compat.v1.gradients),
+# captured when memsaving is imported.  The rewrite calls these, never
+# whatever tf.gradients is bound to at call time: once tf.gradients is
+# replaced by memsaving (memsaving.patch(), or a user's own
+# ``tf.__dict__["gradients"] = memsaving.gradients_memory``), calling it per
+# segment would recurse forever ("memory") or fail on segments without
+# checkpoints ("speed").
+ORIGINAL_TF_GRADIENTS = _gradients_impl.gradients_v2
+ORIGINAL_TF_COMPAT_V1_GRADIENTS = _gradients_impl.gradients
+
+_PASSED_THROUGH = ("gate_gradients", "aggregation_method", "colocate_gradients_with_ops")
+_SWAP_KEYS = ("swap", "swap_device", "swap_trigger", "swap_lb", "swap_ub", "swap_fuse", "bandwidth",
+              "flops_per_second", "swap_backend")
+HALF_PRECISION = (tf.float16, tf.bfloat16)
+ACCEPTED_KEYWORDS = frozenset(_PASSED_THROUGH + ("name", "stop_gradients", "unconnected_gradients", "batch_size")
+                      + _SWAP_KEYS + ("profile", "follow_order"))
+
+
+def _as_list(value) -> list:
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def _check_tensors(values: list, what: str) -> None:
+    for value in values:
+        if not isinstance(value, (tf.Tensor, tf.Variable)) and not resource_variable_ops.is_resource_variable(value):
+            raise TypeError(
+                f"memsaving.gradients: {what} must be tf.Tensor or tf.Variable objects "
+                f"(or a list of them), got {type(value).__name__}: {value!r:.80}"
+            )
+
+
+def _in_xla_function(graph) -> bool:
+    """True when the function being traced will be compiled with XLA.
+
+    tf.function(jit_compile=True) traces its body inside an XLA control-flow
+    context; TensorFlow's own helper finds it in the graph or its parents.
+    """
+    try:
+        return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
+    except Exception:  # pylint: disable=broad-except  # detection only warns
+        return False
+
+
+@_do_not_convert
+def gradients(
+    ys: Union[TensorLike, Sequence[TensorLike]],
+    xs: Union[TensorLike, Sequence[TensorLike]],
+    grad_ys: Optional[Union[tf.Tensor, Sequence[Optional[tf.Tensor]]]] = None,
+    checkpoints: Checkpoints = "collection",
+    budget: Optional[Union[int, str]] = None,
+    **kwargs,
+) -> list:
+    """Gradients of ``ys`` with respect to ``xs``, recomputing between checkpoints.
+
+    Same arguments and results as ``tf.gradients``: a list with one entry per
+    ``x``, ``None`` for an ``x`` that ``ys`` do not depend on (or zeros with
+    ``unconnected_gradients="zero"``), and ``tf.IndexedSlices`` where
+    tf.gradients gives them (gathers, embedding lookups).
+
+    Args:
+      ys: tensor(s) to differentiate.
+      xs: tensor(s) or variable(s) to differentiate with respect to.
+      grad_ys: optional initial gradients for ``ys``, as in tf.gradients.
+      checkpoints: which forward tensors are kept; everything between two
+        kept tensors is recomputed during backprop.
+
+        * a list of tensors: exactly those (each must lie between xs and ys);
+        * ``"collection"``: tensors marked with :func:`memsaving.checkpoint`
+          (or added to the graph collection ``"checkpoints"``);
+        * ``"speed"``: outputs of MatMul, BatchMatMul, Conv and Einsum ops, so
+          only cheap ops are recomputed;
+        * ``"memory"``: about sqrt(n) cuts (sets of tensors every
+          input-to-output path crosses: single separating tensors, tree
+          decomposition separators, frontiers between depth levels), spaced
+          evenly by activation bytes.
+      budget: a memory budget (bytes, or a string such as ``"2GiB"``): the
+        checkpoints that minimise recomputation while the predicted peak
+        fits are chosen among the cuts (among ``checkpoints`` when a list is
+        given, among MatMul/Conv outputs with ``"speed"``).
+      **kwargs: ``name``, ``gate_gradients``, ``aggregation_method``,
+        ``stop_gradients``, ``unconnected_gradients`` and
+        ``colocate_gradients_with_ops``, with tf.gradients' meaning; and
+        ``batch_size``, the size given to unknown dimensions when predicting
+        memory for ``budget`` (default 1); ``profile``: True measures each
+        op's kernel temporaries and run times on this device
+        (:mod:`memsaving.tf.profiles`, cached on disk), False leaves them out;
+        by default they are measured with ``budget`` or ``"memory"`` and
+        otherwise taken from the cache when there; ``follow_order``:
+        True makes each unit's gradient ops run in the order the plan was
+        scored in, with control edges (:mod:`memsaving.tf.order`); False
+        leaves the order to TensorFlow's executor, whose peak can then run
+        above the predicted one.  By default it is on, except when the
+        forward pass computes in float16 or bfloat16 (Grappler rewrites ops
+        that carry control edges differently, and in half precision the
+        gradients would then round differently from tf.gradients'); with
+        ``swap`` it is always off (the swaps order the step themselves).
+
+    Stateful ops (variable reads, random ops, calls with side effects) and
+    control-flow ops are never recomputed; their outputs are kept.
+
+    Raises:
+      RuntimeError: in eager mode (wrap the computation in ``tf.function``).
+      TypeError: ``ys``/``xs`` are not tensors, or an unknown keyword.
+      memsaving.CheckpointError: checkpoints not between xs and ys, or none found.
+      memsaving.BudgetError: no plan fits ``budget`` (says the smallest that does).
+      memsaving.UnsupportedGraphError: TF1-style control flow in the graph.
+    """
+    return gradients_and_plan(ys, xs, grad_ys, checkpoints, budget, **kwargs)[0]
+
+
+@_do_not_convert
+def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collection", budget=None,
+                       probe: Optional[Callable] = None, **kwargs) -> Tuple[list, Plan]:
+    """:func:`gradients` and the :class:`Plan` it executed (planned once).
+
+    ``probe(label, tensors)``, when given, is called after each backward
+    unit is built, with the unit's results (used by
+    :mod:`memsaving.tools.memory_timeline` to read the allocator between units).
+    """
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "memsaving.gradients is not supported when eager execution is enabled: it "
+            "rewrites a graph, as tf.gradients does. Compute the loss and call "
+            "memsaving.gradients inside a tf.function (or in tf.compat.v1 graph mode)."
+        )
+    unknown = sorted(set(kwargs) - ACCEPTED_KEYWORDS)
+    if unknown:
+        raise TypeError(
+            f"memsaving.gradients got unexpected keyword argument(s) {unknown}; "
+            f"accepted: ys, xs, grad_ys, checkpoints, {', '.join(sorted(ACCEPTED_KEYWORDS))}"
+        )
+    _check_follow_order(kwargs.get("follow_order"))
+    ys = _as_list(ys)
+    xs = _as_list(xs)
+    if not ys:
+        raise ValueError("memsaving.gradients: ys is empty")
+    _check_tensors(ys, "ys")
+    _check_tensors(xs, "xs")
+    if grad_ys is not None:
+        grad_ys = _as_list(grad_ys)
+        if len(grad_ys) != len(ys):
+            raise ValueError(
+                f"memsaving.gradients: got {len(grad_ys)} grad_ys for {len(ys)} ys; pass one per y"
+            )
+    else:
+        grad_ys = [None] * len(ys)
+
+    name = kwargs.get("name") or "memsaving_gradients"
+    unconnected = tf.UnconnectedGradients(kwargs.get("unconnected_gradients", "none"))
+    passed = {k: kwargs[k] for k in _PASSED_THROUGH if k in kwargs}
+    gradients_fn = ORIGINAL_TF_COMPAT_V1_GRADIENTS if "colocate_gradients_with_ops" in passed else ORIGINAL_TF_GRADIENTS
+
+    graph = tf.compat.v1.get_default_graph()
+    if _in_xla_function(graph):
+        warnings.warn(
+            "memsaving.gradients inside a tf.function(jit_compile=True): XLA schedules "
+            "the whole function itself and ignores the recomputation order, so memory "
+            "will not go down. Use jit_compile=False for the function that computes "
+            "gradients.",
+            stacklevel=2,
+        )
+    with tf.name_scope(name):
+        ys, xs = _graph_tensors(ys, xs)
+        grad_ys = _graph_grad_ys(grad_ys, ys)
+        fwd, plan_ = _plan(ys, xs, checkpoints, budget, kwargs, seeded_with_ones=all(g is None for g in grad_ys))
+        _calibration.record_plan(plan_)  # memsaving.fit_to_budget collects the plans of the step it traces
+        by_name = {op.name: op for op in fwd.ops}
+        kept = {by_name[n] for n in plan_.kept_ops if n in by_name}
+        kept |= {by_name[n] for names in plan_.inner_checkpoints.values() for n in names}
+        steps = [(kind, by_name[anchor] if anchor else None, [by_name[n] for n in names])
+                 for kind, anchor, names in plan_.steps]
+        builder = BackwardBuilder(fwd, kept, steps, gradients_fn, passed, probe=probe,
+                                  follow_order=_follow_order(kwargs.get("follow_order"), fwd, plan_))
+        with ops_made_in(graph) as made:
+            result = builder.build(ys, grad_ys, xs, unconnected == tf.UnconnectedGradients.ZERO)
+        pin_loop_iterations(made)
+        if plan_.swapped:
+            by_tensor = {t.name: t for op in fwd.ops for t in op.outputs}
+            insert_swaps(made, [by_tensor[n] for n in plan_.swapped],
+                         _swap_options(kwargs), kwargs.get("swap_backend"), forward=fwd.ops)
+    logger.info(
+        "memsaving.gradients: %d forward ops, %d checkpoints, %d segments, %d ops recomputed; "
+        "predicted peak %.1f MiB (plain %.1f MiB)",
+        len(fwd.ops), len(plan_.checkpoints), builder.segments, builder.recomputed_ops,
+        plan_.predicted_peak / 2**20, plan_.plain_peak / 2**20,
+    )
+    return result, plan_
+
+
+def _check_follow_order(value) -> None:
+    if value is not None and not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"follow_order={value!r}: pass True (run gradient ops in the planned order), False "
+                        "(leave the order to TensorFlow) or leave it out")
+
+
+def _follow_order(value, fwd, plan_: Plan) -> bool:
+    """Whether the rewrite adds ordering edges (see ``follow_order`` in :func:`gradients`)."""
+    if plan_.swapped:
+        return False  # the swap rewrite orders the step; more edges could close a cycle
+    if value is not None:
+        return bool(value)
+    return not any(t.dtype in HALF_PRECISION for op in fwd.ops for t in op.outputs)
+
+
+def _graph_tensors(ys: list, xs: list):
+    """Variables to tensors the way tf.gradients converts them (handles for xs).
+
+    An ``x`` from an enclosing graph (a nested tf.function that closes over a
+    tensor of the outer function) is replaced by the placeholder that captures
+    it in this graph, as tf.gradients follows captures: the forward ops read
+    the placeholder, not the outer tensor.  Tensors of an unrelated graph are
+    refused with advice.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    ys = [y.read_value() if isinstance(y, tf.Variable) else y for y in ys]
+    xs = [x.handle if resource_variable_ops.is_resource_variable(x) else x for x in xs]
+    xs = indexed_slices.internal_convert_n_to_tensor_or_indexed_slices(xs, name="x", as_ref=True)
+    ys = indexed_slices.convert_n_to_tensor_or_indexed_slices(ys, name="y")
+    _check_same_graph(ys, graph, "ys")
+    _check_same_graph(xs, graph, "xs")
+    xs = [_captured_in(x, graph) for x in xs]
+    return ys, xs
+
+
+def _graph_grad_ys(grad_ys: list, ys: list) -> list:
+    """``grad_ys`` as tensors of this graph, as tf.gradients converts them.
+
+    A value made outside the function (an eager tensor, a numpy array, a
+    Python list) is captured or embedded as a constant; the rewrite needs
+    graph tensors, whose producing ops the recomputed segments wait on."""
+    converted = []
+    for y, gy in zip(ys, grad_ys):
+        if gy is not None and not isinstance(gy, tf.IndexedSlices):
+            gy = tf.convert_to_tensor(gy, dtype=y.dtype, name="grad_y")
+        converted.append(gy)
+    return converted
+
+
+def _enclosing_graphs(graph) -> list:
+    """``graph`` and the graphs it is nested in (outer tf.functions), innermost first."""
+    chain = []
+    while graph is not None:
+        chain.append(graph)
+        graph = getattr(graph, "outer_graph", None)
+    return chain
+
+
+def _check_same_graph(tensors: list, graph, what: str) -> None:
+    chain = _enclosing_graphs(graph)
+    for t in tensors:
+        t_graph = getattr(t, "graph", None)
+        if t_graph is not None and not any(t_graph is g for g in chain):
+            raise ValueError(
+                f"memsaving.gradients: {what} tensor {t.name} belongs to another graph than the one "
+                "memsaving.gradients is called in. Compute ys and xs inside the same tf.function "
+                "(or tf.compat.v1 graph) that calls memsaving.gradients."
+            )
+
+
+def _captured_in(x, graph):
+    """The tensor of ``graph`` that stands for ``x`` (``x`` itself when it is
+    in ``graph``, or when no graph between it and ``graph`` captured it)."""
+    chain = _enclosing_graphs(graph)
+    if not isinstance(x, tf.Tensor) or x.graph is graph or not any(x.graph is g for g in chain):
+        return x
+    inner_graphs = []
+    for g in chain:
+        if g is x.graph:
+            break
+        inner_graphs.append(g)
+    for g in reversed(inner_graphs):  # outermost first
+        internal = next((inside for outside, inside in getattr(g, "captures", ()) if outside is x), None)
+        if internal is None:
+            return x  # never read inside: ys cannot depend on it, its gradient is None
+        x = internal
+    return x
+
+
+def _swap_distance(kwargs, key: str, default: int) -> int:
+    value = kwargs.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{key} must be an int number of topological levels (default {default}), got {value!r}")
+    return int(value)
+
+
+def _swap_options(kwargs) -> SwapOptions:
+    return SwapOptions(
+        device=kwargs.get("swap_device") or "/CPU:0",
+        trigger=kwargs.get("swap_trigger") or "direct",
+        lb=_swap_distance(kwargs, "swap_lb", 3),
+        ub=_swap_distance(kwargs, "swap_ub", 30),
+        fuse=bool(kwargs.get("swap_fuse", True)),
+    )
+
+
+def _cost_model(kwargs) -> CostModel:
+    return CostModel(flops_per_second=float(kwargs.get("flops_per_second") or 10e12),
+                     bandwidth=float(kwargs.get("bandwidth") or 16e9), lb=int(kwargs.get("swap_lb", 3)))
+
+
+def _swapped(swap, fwd, model, chosen, inner=None) -> list:
+    """Tensor ids of ``model`` to swap for the ``swap=`` argument."""
+    if swap is None or swap is False:
+        return []
+    possible = swap_candidates(model, kept_set(model, chosen), inner)
+    if swap is True:
+        return possible
+    if isinstance(swap, str):
+        raise ValueError(f"swap={swap!r} is not supported: use swap=True (every tensor the backward pass "
+                         "reads from the forward pass), swap='auto' (with budget=) or a list of tensors")
+    ids = {info.name: t for t, info in model.tensors.items()}
+    wanted = []
+    for tensor in _as_list(swap):
+        name = getattr(tensor, "name", None)
+        if name not in ids or ids[name] not in possible:
+            raise CheckpointError(
+                f"cannot swap {name or tensor!r}: only tensors the backward pass reads from the forward "
+                "pass can be swapped (checkpoints, and inputs of ops differentiated in place); "
+                "recomputed tensors never stay on the device between the two passes"
+            )
+        wanted.append(ids[name])
+    return wanted
+
+
+def _checkpoint_ops(checkpoints, fwd, model) -> List[int]:
+    """The ops whose outputs ``checkpoints`` keeps: the named modes are
+    planned on the model, the other forms name tensors of the graph."""
+    if isinstance(checkpoints, str) and checkpoints == "speed":
+        return speed_checkpoints(model)
+    if isinstance(checkpoints, str) and checkpoints == "memory":
+        return memory_checkpoints(model)
+    return resolve_checkpoints(checkpoints, fwd, model)
+
+
+def _candidate_pool(checkpoints, fwd, model) -> tuple:
+    """Candidate cuts for budget planning (and their bytes for Chen's greedy)."""
+    if isinstance(checkpoints, str) and checkpoints == "speed":
+        return candidates.speed(model), None
+    if isinstance(checkpoints, str):
+        ranked = candidates.memory_candidates(model)
+        return [cut for cut, _ in ranked], [b for _, b in ranked]
+    return _checkpoint_ops(checkpoints, fwd, model), None
+
+
+def _hybrid_plan(model, fwd, checkpoints, budget, kwargs, keep_x, or_lowest: bool = False) -> Plan:
+    """``swap="auto"``: keep / swap / recompute chosen together (memsaving.planners.hybrid)."""
+    if budget is None:
+        raise ValueError("swap='auto' chooses between recomputing and swapping under a memory budget: "
+                         "pass budget= as well (e.g. budget='2GiB'), or use swap=True")
+    budget_bytes = parse_bytes(budget)
+    pool, cut_bytes = _candidate_pool(checkpoints, fwd, model)
+    cost = _cost_model(kwargs)
+    result = plan_hybrid(model, pool, budget_bytes, cost=cost, keep_x_gradients=keep_x, cut_bytes=cut_bytes,
+                         or_lowest=or_lowest)
+    return make_plan(model, result.best.checkpoint_ops, "hybrid", budget=budget_bytes, keep_x_gradients=keep_x,
+                     swapped=result.best.swapped, cost=cost, inplace=True)
+
+
+def check_checkpoints_argument(checkpoints) -> None:
+    """``checkpoints=None`` or a number would fail deep inside with "object is
+    not iterable"; say what the argument takes instead."""
+    if isinstance(checkpoints, (str, tf.Tensor, tf.Variable)):
+        return
+    try:
+        iter(checkpoints)
+    except TypeError:
+        raise TypeError(
+            f"checkpoints={checkpoints!r} is not supported: pass a list of tensors, or one of "
+            "'collection' (the default), 'speed', 'memory'; use checkpoints=[] to keep nothing extra"
+        ) from None
+
+
+def _batch_size(value) -> int:
+    """The ``batch_size`` argument as a positive int (default 1).
+
+    It sizes unknown dimensions when predicting memory; a string or a
+    fraction there is a mistake to report, not a number to coerce."""
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(
+            f"batch_size={value!r} is not supported: give a positive int, the size memsaving gives to unknown "
+            "dimensions (usually the batch) when predicting memory; omit it for 1"
+        )
+    return int(value)
+
+
+def _profile_mode(profile, checkpoints, budget) -> str:
+    """How kernel temporaries are profiled (:mod:`memsaving.tf.profiles`).
+
+    Measured by default when the plan depends on predictions (a budget, or
+    ``"memory"``, which picks the plan of lowest predicted peak); otherwise
+    only profiles already cached are used, so that the predicted peaks,
+    plain backprop's included, still count them when known."""
+    if profile is None:
+        predicted = budget is not None or (isinstance(checkpoints, str) and checkpoints == "memory")
+        return "measure" if predicted else "cached"
+    if isinstance(profile, (bool, np.bool_)):
+        return "measure" if profile else "off"
+    raise ValueError(f"profile={profile!r} is not supported: use profile=True (measure kernel temporaries), "
+                     "profile=False (do not count them) or leave it out")
+
+
+def _plan(ys, xs, checkpoints, budget, kwargs, seeded_with_ones: bool = True) -> tuple:
+    """Forward graph and plan shared by ``gradients`` and ``plan``
+    (``seeded_with_ones``: no ``grad_ys`` were given)."""
+    check_checkpoints_argument(checkpoints)
+    stop_gradients = _as_list(kwargs.get("stop_gradients") or [])
+    fwd = forward_graph(xs, ys, stop_gradients)
+    batch_size = _batch_size(kwargs.get("batch_size"))
+    # Under memsaving.fit_to_budget or a Keras calibration, plan for the budget minus the measured excess.
+    planned_for = _calibration.planning_budget(budget)
+    profile = _profile_mode(kwargs.get("profile"), checkpoints, budget)
+    model = graph_model(fwd, batch_size=batch_size, profile=profile, seeded_with_ones=seeded_with_ones,
+                        in_use_bytes=bytes_in_use())
+    fwd, plan_ = _plan_for_model(fwd, model, checkpoints, planned_for, kwargs, _calibration.planning_or_lowest())
+    if planned_for is not budget:
+        plan_.budget = parse_bytes(budget)  # the budget asked for; the predicted peak fits the lower one
+    plan_.batch_size = batch_size
+    plan_.batch_source = "batch_size=" if kwargs.get("batch_size") is not None else ""
+    return fwd, plan_
+
+
+def _plan_for_model(fwd, model, checkpoints, budget, kwargs, or_lowest: bool = False) -> tuple:
+    """The plan for ``model`` (the sized graph model of ``fwd``); with ``or_lowest``, a budget
+    nothing fits gets the lowest plan found instead of a BudgetError."""
+    keep_x = bool(kwargs.get("keep_x_gradients", False))
+    swap = kwargs.get("swap")
+    if swap is not None and swap is not False:
+        _swap_options(kwargs)  # bad options fail before any planning
+        if swap == "auto":
+            return fwd, _hybrid_plan(model, fwd, checkpoints, budget, kwargs, keep_x, or_lowest)
+        if isinstance(swap, str):
+            _swapped(swap, fwd, model, [])
+    if budget is None:
+        chosen = _checkpoint_ops(checkpoints, fwd, model)
+        mode = checkpoints if isinstance(checkpoints, str) else "list"
+        swapped = _swapped(swap, fwd, model, chosen)
+        return fwd, make_plan(model, chosen, mode, keep_x_gradients=keep_x, swapped=swapped,
+                              cost=_cost_model(kwargs) if swapped else None)
+    budget_bytes = parse_bytes(budget)
+    pool, cut_bytes = _candidate_pool(checkpoints, fwd, model)
+    if not pool:
+        raise CheckpointError(
+            "budget= found no candidate checkpoint (the graph between xs and ys has no cut); "
+            "pass checkpoints=[tensors] as the candidates to choose from."
+        )
+    chosen = plan_for_budget(model, pool, budget_bytes, keep_x_gradients=keep_x, cut_bytes=cut_bytes,
+                             or_lowest=or_lowest)
+    swapped = _swapped(swap, fwd, model, chosen.checkpoint_ops, chosen.inner)
+    return fwd, make_plan(model, chosen.checkpoint_ops, "budget", budget=budget_bytes,
+                          keep_x_gradients=keep_x, inner=chosen.inner, swapped=swapped,
+                          cost=_cost_model(kwargs) if swapped else None)
+
+
+@_do_not_convert
+def plan(
+    ys: Union[TensorLike, Sequence[TensorLike]],
+    xs: Union[TensorLike, Sequence[TensorLike]],
+    checkpoints: Checkpoints = "collection",
+    budget: Optional[Union[int, str]] = None,
+    batch_size: Optional[int] = None,
+    keep_x_gradients: bool = False,
+    stop_gradients=None,
+    profile: Optional[bool] = None,
+    **swap_kwargs,
+) -> Plan:
+    """The plan ``gradients`` would execute, with its predicted peak and compute.
+
+    Call it where you would call :func:`gradients` (inside a tf.function or a
+    v1 graph); it adds no ops.  ``plan(...).explain()`` prints a table of the
+    backward units (kept op, ops recomputed, kept bytes, recompute FLOPs).
+
+    Args:
+      ys, xs, checkpoints, budget: as for :func:`gradients`.
+      batch_size: replaces unknown dimensions when sizing tensors (default 1).
+      keep_x_gradients: predict as if the gradients are returned and held
+        until the end (True), or consumed as soon as made (False, default).
+      stop_gradients: as for tf.gradients.
+      profile: True (default here: a plan is asked for its predictions)
+        measures each op's kernel temporaries and run times on this device,
+        whatever the checkpoints; False leaves them out.
+      **swap_kwargs: ``swap`` and its options, as for :func:`gradients`.
+    """
+    unknown = sorted(set(swap_kwargs) - set(_SWAP_KEYS))
+    if unknown:
+        raise TypeError(f"memsaving.plan got unexpected keyword argument(s) {unknown}")
+    if tf.executing_eagerly():
+        raise RuntimeError("memsaving.plan needs a graph: call it inside a tf.function or tf.compat.v1 graph.")
+    ys, xs = _as_list(ys), _as_list(xs)
+    _check_tensors(ys, "ys")
+    _check_tensors(xs, "xs")
+    ys, xs = _graph_tensors(ys, xs)
+    extra = {"stop_gradients": stop_gradients, "batch_size": batch_size, "keep_x_gradients": keep_x_gradients,
+             "profile": True if profile is None else profile, **swap_kwargs}
+    return _plan(ys, xs, checkpoints, budget, extra)[1]
+
+
+def gradients_speed(ys, xs, grad_ys=None, **kwargs) -> list:
+    """``gradients(..., checkpoints="speed")``: keep MatMul/Conv/Einsum outputs."""
+    return gradients(ys, xs, grad_ys, checkpoints="speed", **kwargs)
+
+
+@_do_not_convert
+def gradients_memory(ys, xs, grad_ys=None, **kwargs) -> list:
+    """``gradients(..., checkpoints="memory")``: about sqrt(n) separating tensors."""
+    return gradients(ys, xs, grad_ys, checkpoints="memory", **kwargs)
+
+
+@_do_not_convert
+def gradients_collection(ys, xs, grad_ys=None, **kwargs) -> list:
+    """``gradients(..., checkpoints="collection")``: tensors marked by the user."""
+    return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)

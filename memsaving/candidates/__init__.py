@@ -1,0 +1,1 @@
+"""Checkpoint candidates from graph structure (articulation points, separators) and their selection."""

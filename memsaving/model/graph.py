@@ -1,0 +1,242 @@
+"""The framework-neutral graph model of one gradient computation.
+
+Planning and simulation work on this model only, so they are tested without
+TensorFlow.  :mod:`memsaving.tf.extract` builds it from a TensorFlow graph.
+
+Ops are listed in a topological order.  Tensors are integers; each has a size
+in bytes and, for forward tensors, whether gradients flow through it.  Each op
+records which of its inputs and outputs its *gradient* reads: those are the
+forward tensors backprop keeps alive, which is what checkpointing saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor: who produces it (-1 for tensors that exist before the step)."""
+
+    name: str
+    nbytes: int
+    producer: int = -1
+    trainable: bool = True
+    constant: bool = False  # an external tensor that is not data: a constant or a variable handle
+    value_bytes: Optional[int] = None
+    """Bytes of the value when ``nbytes`` is 0 because the tensor shares
+    another buffer (a view, a variable read, a variable handle)."""
+    folded_gradient: bool = False
+    """Its gradient is a constant the runtime computes once and keeps for
+    the life of the step function (the loss's seed passed back through
+    gradients that read no data): part of the resident memory, allocated by
+    no action."""
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes of this tensor's gradient: a buffer of its own, even when
+        the tensor is a view."""
+        return self.nbytes if self.value_bytes is None else self.value_bytes
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """An op of the forward step.
+
+    Attributes:
+      forward: gradients flow through it (it lies between xs and ys).
+      copyable: recomputing it gives the same values (not stateful).
+      grad_reads: the tensors (inputs or outputs) its gradient function reads.
+      input_grad_reads: for ops whose gradient with respect to each input
+        is a kernel of its own (a product's two matmuls), per input the
+        tensors that kernel reads (empty for an input whose gradient is not
+        used); empty when the gradient is taken as one kernel reading
+        ``grad_reads``.
+      cost: compute cost in arbitrary units (FLOPs by default).
+      forwards_input: an elementwise op: its kernel, and its gradient's
+        kernels, write an output into the buffer of an input of the same
+        size that nothing reads afterwards, allocating nothing
+        (TensorFlow's ``forward_input_or_allocate_output``).
+      temp_bytes: memory the forward kernel holds while it runs, beyond
+        its inputs and outputs (work buffers); counted during each forward
+        and recompute action of the op.
+      grad_temp_bytes: the same for the op's gradient, beyond what its
+        backward action reads and writes; counted during that action.
+      saved_bytes: memory the forward op keeps for its gradient that is no
+        tensor of the model (a loop's accumulated intermediates, added to
+        the op when its gradient is built): written by the op's forward
+        (or recompute) action and freed after its backward action.
+      seconds, grad_seconds: measured run times of the op and of its
+        gradient; when present they time the action instead of ``cost``.
+    """
+
+    name: str
+    type: str
+    inputs: Tuple[int, ...]
+    outputs: Tuple[int, ...]
+    forward: bool = True
+    copyable: bool = True
+    grad_reads: Tuple[int, ...] = ()
+    input_grad_reads: Tuple[Tuple[int, ...], ...] = ()
+    cost: float = 1.0
+    forwards_input: bool = False
+    temp_bytes: int = 0
+    grad_temp_bytes: int = 0
+    saved_bytes: int = 0
+    seconds: Optional[float] = None
+    grad_seconds: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class ProfileSummary:
+    """How the kernel profiles of a model were obtained.
+
+    Attributes:
+      mode: ``"measure"`` (missing signatures measured), ``"cached"`` (only
+        profiles already cached were used) or ``"off"``.
+      measured: op signatures measured for this model.
+      cached: op signatures found in the cache.
+      missing: signatures without a profile (cache-only runs).
+      seconds: time spent profiling (cache look-ups included).
+      ops: ops of the model that carry a profile.
+    """
+
+    mode: str = "off"
+    measured: int = 0
+    cached: int = 0
+    missing: int = 0
+    seconds: float = 0.0
+    ops: int = 0
+
+
+@dataclass
+class GraphModel:
+    """One forward step: ops in topological order, tensors, what is differentiated.
+
+    Attributes:
+      ops: the ops ``ys`` depend on, in topological order.
+      tensors: tensor id -> info.
+      xs: tensor ids gradients are taken with respect to.
+      ys: tensor ids being differentiated.
+      resident_bytes: memory in use before the step starts (parameters,
+        inputs), included in every predicted peak.
+      profile: how the ops' measured temporaries and times were obtained
+        (:class:`ProfileSummary`), when they were.
+      separate_result_kernels: an op's gradient with respect to an ``x`` (a
+        weight gradient) is made by a kernel of its own and, unless the
+        caller keeps the results, consumed before the op's other gradient
+        kernels allocate (TensorFlow, see
+        :func:`memsaving.model.buffers.consumed_at_once`); otherwise all of an
+        op's gradients are held together, as Checkmate's MILP counts them.
+      ready_gradients_early: the executor runs several kernels at once (more
+        than one inter-op thread), so a recomputed segment's gradient
+        kernels that read nothing the recomputation makes run while it does
+        (:func:`memsaving.sim.actions.ready_gradients_first`); with one thread
+        the recomputation, queued first, runs first.
+    """
+
+    ops: List[OpInfo]
+    tensors: Dict[int, TensorInfo]
+    xs: List[int]
+    ys: List[int]
+    resident_bytes: int = 0
+    separate_result_kernels: bool = False
+    ready_gradients_early: bool = False
+    _consumers: Optional[Dict[int, List[int]]] = field(default=None, repr=False)
+    profile: Optional[ProfileSummary] = None
+    """How kernel temporaries were profiled (None: never asked)."""
+
+    @property
+    def folded_gradient_bytes(self) -> int:
+        """Bytes of the gradients folded into constants
+        (:attr:`TensorInfo.folded_gradient`), part of ``resident_bytes``."""
+        return sum(t.gradient_bytes for t in self.tensors.values() if t.folded_gradient)
+
+    def consumers(self, tensor: int) -> List[int]:
+        """Indices of the ops reading ``tensor``."""
+        if self._consumers is None:
+            table: Dict[int, List[int]] = {}
+            for i, op in enumerate(self.ops):
+                for t in set(op.inputs):
+                    table.setdefault(t, []).append(i)
+            self._consumers = table
+        return self._consumers.get(tensor, [])
+
+    def op_index(self) -> Dict[str, int]:
+        return {op.name: i for i, op in enumerate(self.ops)}
+
+    def forward_cost(self) -> float:
+        return sum(op.cost for op in self.ops)
+
+    def activation_bytes(self) -> int:
+        return sum(self.tensors[t].nbytes for op in self.ops if op.forward for t in op.outputs)
+
+
+def receives_gradient(model: GraphModel, t: int, xs: Set[int]) -> bool:
+    """Whether backprop makes a gradient for tensor ``t``: a float tensor
+    that is one of ``xs`` or made by a forward op (an input fed from outside
+    the forward graph gets none)."""
+    info = model.tensors[t]
+    return info.trainable and (t in xs or (info.producer >= 0 and model.ops[info.producer].forward))
+
+
+def gradient_sinks(model: GraphModel) -> Set[int]:
+    """The tensors whose gradients are results: ``xs``, and the views of
+    ``xs`` (a variable's read, an Identity of an x).
+
+    TensorFlow's gradient of a view is the gradient of its output itself, so
+    the gradient made where a variable's read is consumed (a weight gradient)
+    is already the variable's: no op waits for the rest of the backward pass
+    before it is handed on."""
+    xs = set(model.xs)
+    sinks = set(xs)
+    for op in model.ops:
+        if op.inputs and all(t in xs for t in op.inputs) and all(
+                model.tensors[t].nbytes == 0 and model.tensors[t].value_bytes is not None for t in op.outputs):
+            sinks.update(op.outputs)
+    return sinks
+
+
+def without_forwarding(model: GraphModel) -> GraphModel:
+    """``model`` with no op writing into its inputs' buffers (every output a
+    new buffer) and an op's gradients held together.  Checkmate's MILP (:mod:`memsaving.references.milp`) counts memory this
+    way, so plans compared against it are scored on this model."""
+    if not any(op.forwards_input for op in model.ops) and not model.separate_result_kernels:
+        return model
+    ops = [replace(op, forwards_input=False) for op in model.ops]
+    return GraphModel(ops, model.tensors, list(model.xs), list(model.ys), model.resident_bytes)
+
+
+def validate_model(model: GraphModel) -> None:
+    """Raise ValueError when ``model`` is not topologically ordered or refers
+    to unknown tensors (the simulator and planner rely on both)."""
+    produced = {t for t, info in model.tensors.items() if info.producer == -1}
+    for i, op in enumerate(model.ops):
+        for t in op.inputs:
+            if t not in model.tensors:
+                raise ValueError(f"op {op.name} reads unknown tensor {t}")
+            if t not in produced:
+                raise ValueError(f"op {op.name} reads tensor {model.tensors[t].name} before it is produced")
+        for t in op.outputs:
+            if model.tensors[t].producer != i:
+                raise ValueError(f"tensor {model.tensors[t].name} does not name op {op.name} as producer")
+            produced.add(t)
+
+
+def chain_model(sizes: Sequence[int], costs: Optional[Sequence[float]] = None,
+                grad_reads: str = "input") -> GraphModel:
+    """A chain x -> op_1 -> ... -> op_n -> loss, for tests and examples.
+
+    ``sizes[i]`` is the bytes of op i's output; ``grad_reads`` is ``"input"``
+    (like MatMul) or ``"output"`` (like Relu) or ``"both"``.
+    """
+    tensors = {0: TensorInfo("x", sizes[0], -1)}
+    ops = []
+    for i, size in enumerate(sizes):
+        inp, out = i, i + 1
+        tensors[out] = TensorInfo(f"t{i + 1}", size, i)
+        reads = {"input": (inp,), "output": (out,), "both": (inp, out)}[grad_reads]
+        cost = 1.0 if costs is None else costs[i]
+        ops.append(OpInfo(f"op{i + 1}", "Op", (inp,), (out,), grad_reads=reads, cost=cost))
+    return GraphModel(ops, tensors, xs=[0], ys=[len(sizes)])

@@ -1,0 +1,199 @@
+"""Which ops each backward unit recomputes, on the neutral graph model.
+
+The simulator scores these units and :mod:`memsaving.tf.rewrite` emits them (it
+receives the closures through the plan), so what is predicted is what runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Dict, Iterable, List, Optional, Set, Tuple
+
+from memsaving.model.graph import GraphModel
+
+
+class UnitKind(str, Enum):
+    """What a backward unit does with its ops.
+
+    A ``str`` enum, so plans and timelines print and compare it as the plain
+    word (``UnitKind.SEGMENT == "segment"``).
+    """
+
+    OUTPUT = "output"
+    """The ops after the last kept tensors, differentiated in place."""
+    SEGMENT = "segment"
+    """``ops`` copied and differentiated; ``anchor`` is the kept op whose
+    gradient starts it."""
+    PASS = "pass"
+    """A kept op that cannot be copied, differentiated in place."""
+    ADVANCE = "advance"
+    """Multi-level recomputation: ``ops`` are recomputed, not differentiated,
+    to rebuild the inner checkpoints of ``anchor``'s segment; the units that
+    follow read those copies."""
+    INPLACE = "inplace"
+    """A kept op whose inputs are all kept: differentiated where it is,
+    nothing recomputed."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+RECOMPUTING = frozenset({UnitKind.SEGMENT, UnitKind.ADVANCE})
+"""The unit kinds that copy (recompute) their ops."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One step of the backward pass: ``kind`` (:class:`UnitKind`) says what
+    it does with ``ops``; ``anchor`` is the kept op it starts from (-1 for
+    the output unit)."""
+
+    kind: UnitKind
+    anchor: int
+    ops: tuple
+
+
+def kept_set(model: GraphModel, checkpoint_ops: Iterable[int]) -> Set[int]:
+    """Checkpoint producers, non-copyable forward ops and their trainable
+    forward inputs' producers, and forward producers of ``xs``: the ops whose
+    outputs the rewrite keeps.
+
+    An ``x`` computed by a forward op (``xs`` naming an intermediate tensor
+    and something upstream of it) ends every segment, like a checkpoint, so
+    its gradient is complete when it is read; its producer must then anchor
+    a unit of its own, or the gradient would stop at ``x`` instead of flowing
+    on to what lies before it, as it does in ``tf.gradients``.
+    """
+    kept = {i for i in checkpoint_ops if model.ops[i].forward}
+    for x in model.xs:
+        producer = model.tensors[x].producer
+        if producer >= 0 and model.ops[producer].forward:
+            kept.add(producer)
+    for i, op in enumerate(model.ops):
+        if op.forward and not op.copyable:
+            kept.add(i)
+            for t in op.inputs:
+                info = model.tensors[t]
+                if info.trainable and info.producer >= 0 and model.ops[info.producer].forward:
+                    kept.add(info.producer)
+    return kept
+
+
+def closure(model: GraphModel, seeds: Iterable[int], kept: Set[int]) -> tuple:
+    """Forward ops needed to compute ``seeds`` back to kept tensors, in order."""
+    xs = set(model.xs)
+    found: Set[int] = set()
+    stack = list(seeds)
+    while stack:
+        i = stack.pop()
+        if i in found:
+            continue
+        found.add(i)
+        for t in model.ops[i].inputs:
+            producer = model.tensors[t].producer
+            if producer >= 0 and model.ops[producer].forward and producer not in kept and t not in xs:
+                stack.append(producer)
+    return tuple(sorted(found))
+
+
+_GRADIENT_REWRITES_FORWARD = frozenset({
+    "PartitionedCall", "StatefulPartitionedCall", "If", "StatelessIf", "While", "StatelessWhile",
+})
+
+
+def recomputes_anchor(op_type: str) -> bool:
+    """Whether a segment must recompute its anchor op as well.
+
+    A segment's anchor is kept, so its gradient can read the kept outputs
+    and only the anchor's non-kept inputs need recomputing: the simulator
+    scores that and the rewrite differentiates a copy of the anchor, then
+    points the gradient ops at the kept outputs, so the copy never runs.
+    Function calls and functional control flow are the exception: their
+    gradient functions add outputs (intermediates) to the op they
+    differentiate, which the kept original does not have.
+    """
+    return op_type in _GRADIENT_REWRITES_FORWARD
+
+
+Inner = Dict[int, Tuple[int, ...]]
+"""Multi-level plans: segment anchor -> the inner checkpoints its backward
+recomputes first and holds while the sub-segments after them are processed."""
+
+
+def backward_units(model: GraphModel, kept: Set[int], inner: Optional[Inner] = None,
+                   inplace: bool = False) -> List[Unit]:
+    """The units in the order the backward pass runs them.
+
+    With ``inner``, the segment of anchor ``a`` becomes: an ``advance`` unit
+    recomputing ``inner[a]`` from the kept tensors, then the sub-segments
+    ``a``, ``inner[a][-1]``, ..., ``inner[a][0]`` (each possibly with inner
+    checkpoints of its own), whose closures stop at the inner checkpoints:
+    Revolve-style recursive checkpointing.
+
+    With ``inplace``, a kept op whose inputs are all kept is differentiated
+    where it is (reading its kept outputs) instead of recomputed; swap plans
+    use it, so that keeping and swapping every tensor recomputes nothing.
+    """
+    inner = inner or {}
+    xs = set(model.xs)
+    inner_ys = [
+        model.tensors[y].producer for y in model.ys
+        if y not in xs and model.tensors[y].producer >= 0
+        and model.ops[model.tensors[y].producer].forward
+        and model.tensors[y].producer not in kept
+    ]
+    units = []
+    if inner_ys:
+        units.append(Unit(UnitKind.OUTPUT, -1, closure(model, inner_ys, kept)))
+    for i in sorted(kept, reverse=True):
+        op = model.ops[i]
+        if op.copyable:
+            units.extend(_segment_units(model, i, kept, inner, inplace))
+        else:
+            units.append(Unit(UnitKind.PASS, i, (i,)))
+    return units
+
+
+def _segment_units(model: GraphModel, anchor: int, kept: Set[int], inner: Inner,
+                   inplace: bool = False) -> List[Unit]:
+    inside = tuple(sorted(inner.get(anchor, ())))
+    if not inside:
+        ops = closure(model, [anchor], kept)
+        if inplace and ops == (anchor,):
+            # every input is kept: differentiate the op where it is, reading
+            # its kept outputs, rather than recompute them
+            return [Unit(UnitKind.INPLACE, anchor, ops)]
+        return [Unit(UnitKind.SEGMENT, anchor, ops)]
+    deeper = kept | set(inside)
+    units = [Unit(UnitKind.ADVANCE, anchor, closure(model, inside, kept)),
+             Unit(UnitKind.SEGMENT, anchor, closure(model, [anchor], deeper))]
+    for sub in reversed(inside):
+        units.extend(_segment_units(model, sub, deeper, inner))
+    return units
+
+
+def validate_inner(model: GraphModel, kept: Set[int], inner: Inner) -> None:
+    """Raise ValueError unless every inner checkpoint lies inside its anchor's
+    segment, is copyable and has an output gradients flow through."""
+    def check(anchor: int, context: Set[int]):
+        inside = inner.get(anchor, ())
+        if not inside:
+            return
+        segment = set(closure(model, [anchor], context))
+        for i in inside:
+            op = model.ops[i]
+            if i == anchor or i not in segment:
+                raise ValueError(f"inner checkpoint {op.name} is not inside the segment of {model.ops[anchor].name}")
+            if not op.copyable or not any(model.tensors[t].trainable for t in op.outputs):
+                raise ValueError(f"inner checkpoint {op.name} cannot be recomputed or carries no gradient")
+        deeper = context | set(inside)
+        for sub in inside:
+            check(sub, deeper)
+
+    unknown = set(inner) - set().union(kept, *[set(v) for v in inner.values()])
+    if unknown:
+        raise ValueError(f"inner checkpoints given for ops that anchor no segment: {sorted(unknown)}")
+    for i in kept:
+        if model.ops[i].copyable:
+            check(i, kept)

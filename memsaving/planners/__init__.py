@@ -1,0 +1,1 @@
+"""Choosing what to keep, recompute or swap; the plan type every planner returns."""

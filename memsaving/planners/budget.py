@@ -1,0 +1,468 @@
+"""Choosing checkpoints under a memory budget (no TensorFlow).
+
+A dynamic program over the chain of candidate checkpoints (ops that every
+input-to-output path crosses) picks the subset that minimises recomputed
+FLOPs while a surrogate of the backward peak stays within the budget; the
+surrogate is then checked with the simulator, the one judge of every plan, and
+the budget the DP works with is tightened until the simulated peak fits.
+
+Surrogate: during the backward pass of the segment between kept candidates
+``a`` and ``b``, memory holds every kept output up to ``a`` plus the forward
+tensors the segment's gradients read plus the segment's largest gradient
+buffers.  Recomputing that segment costs the FLOPs of its ops (the segment
+after the last checkpoint is differentiated in place and costs nothing).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from memsaving.errors import BudgetError, feasible_budget
+from memsaving.planners.chain import Chain, as_cuts as _as_cuts, chain as _chain, ops_of as _ops_of
+from memsaving.model.graph import GraphModel
+from memsaving.planners.nested import nested_plan, thinned_chain
+from memsaving.planners.refine import refined_plans
+from memsaving.model.schedule import kept_set, validate_inner
+from memsaving.sim.simulate import simulate
+
+_UNITS = {
+    "": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+    "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
+}
+
+
+def format_bytes(count: int) -> str:
+    """``1536`` -> ``'1.5 KiB'``: a readable size for messages and tables."""
+    value = float(count)
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{int(value)} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
+_BUDGET_FORMS = ("an int number of bytes (e.g. 2_000_000_000), a whole float (2e9), or a string with a "
+                 "unit such as '512MiB', '2GiB', '1.5GB'")
+
+
+def parse_bytes(value: Union[int, float, str]) -> int:
+    """``2GiB``, ``"512 MB"``, ``1.5e9`` or ``1073741824`` -> bytes.
+
+    A budget below one byte, or a fraction of a byte (``1.5``, ``"0.5"``), is
+    refused rather than rounded: such a value is almost always a size in
+    GiB or MB given without its unit, and truncating it would plan for a
+    budget nothing fits in.
+    """
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, (float, np.floating)):
+        if not math.isfinite(value):
+            raise ValueError(f"memory budget must be finite: got budget={value!r}; give {_BUDGET_FORMS}")
+        number = float(value)
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot read memory budget {value!r}: give {_BUDGET_FORMS}")
+        number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    else:
+        raise TypeError(f"budget={value!r} ({type(value).__name__}) is not a memory size: give {_BUDGET_FORMS}")
+    if number < 1:
+        raise ValueError(f"budget={value!r} is {number:g} bytes; a budget must be a positive number of bytes, "
+                         f"at least one: give {_BUDGET_FORMS}")
+    if number != int(number):
+        raise ValueError(f"budget={value!r} is {number:g} bytes, a fraction of a byte (a unit missing?): "
+                         f"give {_BUDGET_FORMS}")
+    return int(number)
+
+
+def _surrogate_dp(chain: Chain, budget: float, buckets: int = 256) -> Optional[List[int]]:
+    """Indices (into the candidate list) of the cheapest surrogate-feasible subset."""
+    m = len(chain.positions) - 2
+    total_kept = float(chain.kept.sum()) if m else 0.0
+    scale = max(total_kept, 1.0) / buckets
+    kept_units = np.ceil(chain.kept / scale).astype(int) if m else np.zeros(0, int)
+    size = int(kept_units.sum()) + 1
+    inf = np.inf
+    best = np.full((m + 2, size), inf)
+    parent = np.full((m + 2, size), -1, dtype=int)
+    best[0, 0] = 0.0
+    columns = np.arange(size)
+    for b in range(1, m + 2):
+        last = b == m + 1
+        # from every earlier cut a at once: state j (kept units so far) must
+        # leave room for the stretch (a, b]
+        allowed = np.floor((budget - chain.memory_to(b)) / scale)
+        recompute = np.zeros(b) if last else chain.cost_to(b)
+        candidate = np.where(columns[None, :] <= allowed[:, None], best[:b] + recompute[:, None], inf)
+        origin = np.argmin(candidate, axis=0)
+        value = candidate[origin, columns]
+        shift = 0 if last else int(kept_units[b - 1])
+        width = size - shift
+        if width <= 0:
+            continue
+        best[b, shift:] = value[:width]
+        parent[b, shift:] = np.where(np.isfinite(value[:width]), origin[:width], -1)
+    final = best[m + 1]
+    if not np.isfinite(final).any():
+        return None
+    state = int(np.argmin(final))
+    chosen = []
+    b = m + 1
+    while b > 0:
+        a = int(parent[b][state])
+        if b != m + 1:
+            state -= kept_units[b - 1]
+        if a > 0:
+            chosen.append(a - 1)
+        b = a
+    return sorted(chosen)
+
+
+@dataclass
+class _SearchResult:
+    cuts: List[List[int]]
+    evaluated: dict  # chosen cut indices -> (recompute_cost, simulated_peak)
+    best: Optional[Tuple[int, ...]]  # cheapest plan that fits, if any
+
+
+def _search(
+    model: GraphModel,
+    candidates: Sequence[Union[int, Sequence[int]]],
+    budget: int,
+    keep_x_gradients: bool,
+    rounds: int,
+    max_evaluations: Optional[int],
+    cut_bytes: Optional[Sequence[float]],
+    max_candidates: int,
+) -> _SearchResult:
+    """The search behind :func:`select_for_budget` and :func:`lowest_peak_plan`."""
+    cuts = _as_cuts(candidates)
+    if len(cuts) > max_candidates:
+        # The DP is quadratic in the candidates: keep an evenly spread subset
+        # (always the last cut), so large graphs are planned in seconds.
+        keep = sorted({int(round(k * (len(cuts) - 1) / (max_candidates - 1))) for k in range(max_candidates)})
+        cuts = [cuts[k] for k in keep]
+        if cut_bytes is not None:
+            cut_bytes = [cut_bytes[k] for k in keep]
+    if max_evaluations is None:
+        max_evaluations = max(40, 20_000 // max(len(model.ops), 1))
+    cache = {}
+
+    def evaluate(chosen: Tuple[int, ...]):
+        if chosen not in cache:
+            sim = simulate(model, _ops_of(cuts, chosen), keep_x_gradients=keep_x_gradients)
+            cache[chosen] = (sim.recompute_cost, sim.peak_bytes)
+        return cache[chosen]
+
+    def feasible(chosen):
+        return evaluate(chosen)[1] <= budget
+
+    best: Optional[Tuple[int, ...]] = None
+
+    def consider(chosen: Tuple[int, ...]):
+        nonlocal best
+        if feasible(chosen) and (best is None or evaluate(chosen)[0] < evaluate(best)[0]):
+            best = chosen
+
+    # 1. the surrogate DP, tightened until the simulated peak fits
+    chain = _chain(model, cuts)
+    target = float(budget - model.resident_bytes)
+    for _ in range(rounds):
+        picked = _surrogate_dp(chain, target) if target > 0 else None
+        if picked is None:
+            break
+        chosen = tuple(picked)
+        consider(chosen)
+        if feasible(chosen):
+            break
+        target -= evaluate(chosen)[1] - budget
+    # 2. Chen et al.'s greedy plans
+    if cut_bytes is None:
+        before = np.concatenate([[0.0], np.cumsum([
+            sum(model.tensors[t].nbytes for t in op.outputs) if op.forward else 0 for op in model.ops])])
+        cut_bytes = [before[max(cut) + 1] for cut in cuts]
+    for chosen in greedy_plans(cut_bytes, model.activation_bytes()):
+        if len(cache) >= max_evaluations:
+            break
+        consider(chosen)
+    # 2b. evenly spaced plans of a dozen sizes (cheap, and robust where the
+    #    surrogate misjudges)
+    m = len(cuts)
+    for k in sorted({int(v) for v in np.geomspace(1, max(m, 1), 12)}):
+        if len(cache) >= max_evaluations:
+            break
+        consider(tuple(sorted({int(round((j + 1) * (m + 1) / (k + 1))) - 1 for j in range(k)} & set(range(m)))))
+    # 3. local search over add / drop / shift-by-one moves.  While nothing
+    #    fits, a move is better when it lowers the simulated peak; once a
+    #    plan fits, when it fits and recomputes less.
+    def score(chosen):
+        cost, peak = evaluate(chosen)
+        return (0, cost) if peak <= budget else (1, peak)
+
+    current = best if best is not None else (min(cache, key=lambda c: cache[c][1]) if cache else ())
+    improved = True
+    while improved and len(cache) < max_evaluations:
+        improved = False
+        members = list(current)
+        moves = [tuple(c for c in members if c != drop) for drop in members]
+        for idx, c in enumerate(members):
+            for step in (-1, 1):
+                moved = c + step
+                if 0 <= moved < m and moved not in members:
+                    moves.append(tuple(sorted(members[:idx] + [moved] + members[idx + 1:])))
+        if score(current)[0] == 1:  # adding only helps while nothing fits
+            moves += [tuple(sorted(members + [k])) for k in range(m) if k not in members]
+        for move in moves:
+            if len(cache) >= max_evaluations:
+                break
+            if score(move) < score(current):
+                current = move
+                consider(move)
+                improved = True
+                break
+    return _SearchResult(cuts, cache, best)
+
+
+def select_for_budget(
+    model: GraphModel,
+    candidates: Sequence[Union[int, Sequence[int]]],
+    budget: int,
+    keep_x_gradients: bool = False,
+    rounds: int = 8,
+    max_evaluations: Optional[int] = None,
+    cut_bytes: Optional[Sequence[float]] = None,
+    max_candidates: int = 500,
+) -> Tuple[List[int], int]:
+    """Checkpoint ops minimising recomputation with simulated peak <= ``budget``.
+
+    ``candidates`` are op indices or sets of op indices (cuts), ordered from
+    the inputs to the outputs.  Every plan is judged by the simulator: the
+    surrogate DP (its budget tightened until the simulated peak fits),
+    Chen et al.'s greedy plans and evenly spaced plans as fallbacks, then a
+    local search (add, drop or shift one cut) that lowers the peak while
+    nothing fits and the recomputation once something does.  The number of simulations is
+    bounded (``max_evaluations``, scaled down for large graphs).
+
+    ``cut_bytes`` (optional) gives the activation bytes computed before each
+    candidate, for the greedy plans; by default the bytes before the
+    candidate's last op in the model's order.  More than ``max_candidates``
+    candidates are thinned to an evenly spread subset first.
+
+    Returns ``(checkpoint_ops, simulated_peak)``.
+
+    Raises:
+      BudgetError: nothing found fits; the message gives the smallest
+        budget found feasible.
+    """
+    found = _search(model, candidates, budget, keep_x_gradients, rounds, max_evaluations, cut_bytes,
+                    max_candidates)
+    if found.best is not None:
+        return _ops_of(found.cuts, found.best), found.evaluated[found.best][1]
+    floor = min([peak for _, peak in found.evaluated.values()]
+                + [minimum_peak(model, found.cuts, keep_x_gradients)])
+    _raise_infeasible(model, budget, floor)
+
+
+def _raise_infeasible(model: GraphModel, budget: int, lowest_peak: int):
+    floor = feasible_budget(lowest_peak)
+    raise BudgetError(
+        f"no checkpoint plan fits the budget of {format_bytes(budget)}; the smallest feasible "
+        f"budget found is {format_bytes(floor)} ({floor} bytes), of which "
+        f"{format_bytes(model.resident_bytes)} are in use before the step (parameters, inputs and "
+        "what the device already holds). Raise the budget, or reduce the batch size."
+    )
+
+
+def lowest_peak_plan(
+    model: GraphModel,
+    candidates: Sequence[Union[int, Sequence[int]]],
+    keep_x_gradients: bool = False,
+    cut_bytes: Optional[Sequence[float]] = None,
+    max_evaluations: Optional[int] = None,
+) -> Tuple[List[int], int]:
+    """The single-level plan of lowest simulated peak that the search finds.
+
+    The same search as :func:`select_for_budget` with a budget nothing fits,
+    so every step lowers the peak; ties go to less recomputation.  Returns
+    ``(checkpoint_ops, simulated_peak)``.
+    """
+    found = _search(model, candidates, 0, keep_x_gradients, 8, max_evaluations, cut_bytes, 500)
+    plain = simulate(model, keep_x_gradients=keep_x_gradients)
+    options = [((plain.peak_bytes, 0.0), [])] + [
+        ((peak, cost), _ops_of(found.cuts, chosen)) for chosen, (cost, peak) in found.evaluated.items()]
+    for ops in low_peak_plans(model, found.cuts):
+        sim = simulate(model, ops, keep_x_gradients=keep_x_gradients)
+        options.append(((sim.peak_bytes, sim.recompute_cost), ops))
+    (peak, _), ops = min(options, key=lambda option: option[0])
+    return ops, peak
+
+
+def greedy_plans(cut_bytes: Sequence[float], total_bytes: float, thresholds: int = 30) -> List[Tuple[int, ...]]:
+    """Chen et al.'s greedy plans, one per threshold.
+
+    Walking the candidates from the inputs, a candidate is kept whenever the
+    activation bytes since the last kept one reach the threshold; thresholds
+    are spread geometrically from ``total/200`` to ``total``.  Returns the
+    candidate indices of each plan.
+    """
+    total = max(float(total_bytes), 1.0)
+    plans = []
+    for threshold in np.geomspace(total / 200, total, thresholds):
+        chosen, last = [], 0.0
+        for k, at in enumerate(cut_bytes):
+            if at - last >= threshold:
+                chosen.append(k)
+                last = at
+        plans.append(tuple(chosen))
+    return list(dict.fromkeys(plans))
+
+
+def low_peak_plans(model: GraphModel, candidates: Sequence) -> List[List[int]]:
+    """Checkpoint ops of the surrogate DP's plans for a range of small budgets.
+
+    Each is a single-level plan (every op recomputed at most once), so each
+    costs at most about one extra forward pass; the simulator decides which
+    is lowest.
+    """
+    cuts = _as_cuts(candidates)
+    chain = _chain(model, cuts)
+    plain = simulate(model).peak_bytes - model.resident_bytes
+    plans = []
+    for fraction in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7):
+        picked = _surrogate_dp(chain, fraction * plain)
+        if picked is not None:
+            plans.append(_ops_of(cuts, picked))
+    return plans
+
+
+def minimum_peak(model: GraphModel, candidates: Sequence, keep_x_gradients: bool = False) -> int:
+    """The smallest simulated peak over DP plans for a range of budgets."""
+    peaks = [simulate(model, ops, keep_x_gradients=keep_x_gradients).peak_bytes
+             for ops in [[]] + low_peak_plans(model, candidates)]
+    return min(peaks)
+
+
+@dataclass
+class BudgetPlan:
+    """The plan chosen for a budget: level-1 checkpoints, inner checkpoints
+    (multi-level plans; empty for single-level ones) and its simulated peak
+    and recomputation."""
+
+    checkpoint_ops: List[int]
+    inner: Dict[int, Tuple[int, ...]]
+    peak: int
+    recompute_cost: float
+
+
+def plan_for_budget(
+    model: GraphModel,
+    candidates: Sequence[Union[int, Sequence[int]]],
+    budget: int,
+    keep_x_gradients: bool = False,
+    cut_bytes: Optional[Sequence[float]] = None,
+    max_evaluations: Optional[int] = None,
+    multilevel: bool = True,
+    per_op: bool = True,
+    or_lowest: bool = False,
+) -> BudgetPlan:
+    """The least-recomputation plan whose simulated peak fits ``budget``.
+
+    Single-level plans come from :func:`select_for_budget`'s search;
+    with ``per_op``, their per-op refinements (:mod:`memsaving.planners.refine`:
+    keep more of the recomputed ops, or start from keeping everything and
+    recompute only ops cheap per byte) compete with them; with
+    ``multilevel``, recursive plans from the multi-level DP
+    (:mod:`memsaving.planners.nested`) too, all judged by the same simulator.
+    Recursive plans reach budgets below any single-level plan, for more
+    recomputation.
+
+    ``or_lowest``: when nothing fits, return the lowest-peak plan found
+    instead of raising (its ``peak`` is then above ``budget``).  A
+    calibration that measures peaks wants that plan: predictions err both
+    ways, so it may fit as measured.
+
+    Raises:
+      BudgetError: nothing fits (and not ``or_lowest``); the message gives
+        the smallest budget found feasible.
+    """
+    found = _search(model, candidates, budget, keep_x_gradients, 8, max_evaluations, cut_bytes, 500)
+    options = []
+    floor = None
+    if found.best is not None:
+        cost, peak = found.evaluated[found.best]
+        options.append(BudgetPlan(_ops_of(found.cuts, found.best), {}, peak, cost))
+    if per_op:
+        starts = [_ops_of(found.cuts, found.best)] if found.best is not None else []
+        for ops, sim in refined_plans(model, starts, budget, keep_x_gradients, max_evaluations):
+            options.append(BudgetPlan(ops, {}, sim.peak_bytes, sim.recompute_cost))
+    if multilevel:
+        for proposal, sim in _nested_search(model, candidates, budget, keep_x_gradients):
+            floor = sim.peak_bytes if floor is None else min(floor, sim.peak_bytes)
+            if sim.peak_bytes <= budget:
+                options.append(BudgetPlan(proposal.checkpoint_ops, proposal.inner, sim.peak_bytes,
+                                          sim.recompute_cost))
+    if options:
+        return min(options, key=lambda option: (option.recompute_cost, option.peak))
+    lowest = _lowest_plan(model, candidates, keep_x_gradients, cut_bytes, multilevel)
+    if lowest.peak <= budget or or_lowest:
+        return lowest
+    _raise_infeasible(model, budget, lowest.peak)
+
+
+def _lowest_plan(model: GraphModel, candidates, keep_x_gradients: bool, cut_bytes, multilevel: bool) -> BudgetPlan:
+    """The lowest-peak plan found by searches that do not depend on the
+    budget asked for: the floor the BudgetError message reports, which
+    therefore fits when passed back as the budget."""
+    ops, _ = lowest_peak_plan(model, candidates, keep_x_gradients, cut_bytes)
+    sim = simulate(model, ops, keep_x_gradients=keep_x_gradients)
+    best = BudgetPlan(ops, {}, sim.peak_bytes, sim.recompute_cost)
+    if not multilevel:
+        return best
+    resident = model.resident_bytes
+    activations = simulate(model, keep_x_gradients=keep_x_gradients).peak_bytes - resident
+    for fraction in (0.3, 0.15, 0.08, 0.04):
+        target = resident + int(fraction * activations)
+        for proposal, sim in _nested_search(model, candidates, target, keep_x_gradients, rounds=5):
+            if (sim.peak_bytes, sim.recompute_cost) < (best.peak, best.recompute_cost):
+                best = BudgetPlan(proposal.checkpoint_ops, proposal.inner, sim.peak_bytes, sim.recompute_cost)
+    return best
+
+
+def _nested_search(model: GraphModel, candidates, budget: int, keep_x_gradients: bool, rounds: int = 7):
+    """Recursive plans for ``budget`` with their simulations.
+
+    The surrogate's memory is only an estimate (often pessimistic), so the
+    surrogate budget is searched (bisection in log space between 0.3x and 3x
+    the real one): too small and the DP finds nothing, too large and the plan's
+    simulated peak exceeds the budget.
+    """
+    cuts, summary = thinned_chain(model, candidates)
+    real = float(budget - model.resident_bytes)
+    if real <= 0 or not cuts:
+        return []
+    low, high = np.log(0.3 * real), np.log(3.0 * real)
+    found = []
+    for _ in range(rounds):
+        middle = 0.5 * (low + high)
+        proposal = nested_plan(model, cuts, summary, float(np.exp(middle)))
+        if proposal is None:
+            low = middle
+            continue
+        kept = kept_set(model, proposal.checkpoint_ops)
+        try:
+            validate_inner(model, kept, proposal.inner)
+        except ValueError:
+            low = middle
+            continue
+        sim = simulate(model, kept=kept, keep_x_gradients=keep_x_gradients, inner=proposal.inner)
+        found.append((proposal, sim))
+        if sim.peak_bytes <= budget:
+            low = middle  # fits: a looser surrogate budget may recompute less
+        else:
+            high = middle
+    return found

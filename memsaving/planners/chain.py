@@ -1,0 +1,102 @@
+"""The chain of candidate cuts, summarised for the budget dynamic programs.
+
+Both the single-level DP (:mod:`memsaving.planners.budget`) and the multi-level one
+(:mod:`memsaving.planners.nested`) see the graph as a chain: candidate cuts ordered
+from the inputs to the outputs, with prefix sums over the ops between them
+(forward cost, bytes their gradients read, largest tensor) from which the
+surrogate memory and recomputation of any stretch between two cuts is read
+in constant time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence, Union
+
+import numpy as np
+
+from memsaving.model.graph import GraphModel
+from memsaving.model.schedule import recomputes_anchor
+
+
+@dataclass
+class Chain:
+    positions: List[int]  # op index of each candidate, plus start (-1) and end (n)
+    kept: np.ndarray  # bytes kept by each candidate
+    cost_prefix: np.ndarray  # cumulative forward cost by op position
+    reads_prefix: np.ndarray  # cumulative grad-read bytes by op position
+    largest: np.ndarray  # largest tensor per op position (gradient buffers)
+    anchor_cost: np.ndarray  # per candidate: cost of its ops a segment does not recompute
+
+    @property
+    def size(self) -> int:
+        """Number of candidate cuts."""
+        return len(self.positions) - 2
+
+    def _span(self, a: int, b: int) -> tuple:
+        lo = self.positions[a] + 1
+        hi = self.positions[b] if b <= self.size else len(self.largest) - 1
+        return lo, hi
+
+    def memory(self, a: int, b: int) -> float:
+        """Surrogate bytes of backpropagating the stretch after cut ``a`` up
+        to cut ``b`` (``b = size + 1``: the end): the forward tensors its
+        gradients read plus two of its largest tensors (gradient buffers).
+        Cut 0 is the start (the inputs)."""
+        lo, hi = self._span(a, b)
+        reads = self.reads_prefix[hi + 1] - self.reads_prefix[lo]
+        return float(reads + 2 * (self.largest[lo:hi + 1].max() if hi >= lo else 0.0))
+
+    def memory_to(self, b: int) -> np.ndarray:
+        """``memory(a, b)`` for every ``a < b`` at once (vectorised DPs)."""
+        starts = np.array(self.positions[:b]) + 1
+        _, hi = self._span(0, b)
+        reads = self.reads_prefix[hi + 1] - self.reads_prefix[starts]
+        if hi < 0:
+            return reads
+        # largest tensor from each start to hi: a running max from the right
+        suffix_max = np.maximum.accumulate(self.largest[: hi + 1][::-1])[::-1]
+        largest = np.where(starts <= hi, suffix_max[np.minimum(starts, hi)], 0.0)
+        return reads + 2 * largest
+
+    def cost_to(self, b: int) -> np.ndarray:
+        """``cost(a, b)`` for every ``a < b`` at once."""
+        starts = np.array(self.positions[:b]) + 1
+        _, hi = self._span(0, b)
+        return np.maximum(self.cost_prefix[hi + 1] - self.cost_prefix[starts] - self._anchor(b), 0.0)
+
+    def _anchor(self, b: int) -> float:
+        return float(self.anchor_cost[b - 1]) if 1 <= b <= self.size else 0.0
+
+    def cost(self, a: int, b: int) -> float:
+        """Recomputation cost of the stretch after cut ``a`` up to cut ``b``:
+        the forward cost of its ops, except cut ``b``'s own (kept) ops."""
+        lo, hi = self._span(a, b)
+        return max(float(self.cost_prefix[hi + 1] - self.cost_prefix[lo]) - self._anchor(b), 0.0)
+
+
+def as_cuts(candidates: Sequence[Union[int, Sequence[int]]]) -> List[List[int]]:
+    """Candidates as lists of op indices (a single op becomes a one-op cut)."""
+    return [[c] if isinstance(c, (int, np.integer)) else list(c) for c in candidates]
+
+
+def ops_of(cuts: Sequence[Sequence[int]], chosen: Sequence[int]) -> List[int]:
+    """The op indices of the chosen cuts."""
+    return sorted({i for k in chosen for i in cuts[k]})
+
+
+def chain(model: GraphModel, cuts: Sequence[Sequence[int]]) -> Chain:
+    n = len(model.ops)
+    cost = np.zeros(n + 1)
+    reads = np.zeros(n + 1)
+    largest = np.zeros(n)
+    for i, op in enumerate(model.ops):
+        fwd = op.forward
+        cost[i + 1] = cost[i] + (op.cost if fwd else 0.0)
+        reads[i + 1] = reads[i] + (sum(model.tensors[t].nbytes for t in op.grad_reads) if fwd else 0)
+        largest[i] = max([model.tensors[t].nbytes for t in op.outputs] + [0]) if fwd else 0
+    kept = np.array([sum(model.tensors[t].nbytes for i in cut for t in model.ops[i].outputs) for cut in cuts],
+                    dtype=float)
+    anchor_cost = np.array([sum(model.ops[i].cost for i in cut if not recomputes_anchor(model.ops[i].type))
+                            for cut in cuts], dtype=float)
+    return Chain([-1] + [max(cut) for cut in cuts] + [n], kept, cost, reads, largest, anchor_cost)

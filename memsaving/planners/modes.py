@@ -1,0 +1,72 @@
+"""The named checkpoint modes, on the neutral graph model (no TensorFlow):
+``"speed"`` keeps the expensive ops' outputs, ``"memory"`` the cuts of the
+plan the simulator predicts lowest.
+
+:func:`memsaving.tf.checkpoints.resolve_checkpoints` turns the other forms of
+the ``checkpoints`` argument (``"collection"``, a list of tensors) into ops;
+those need the TensorFlow graph, these only the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List
+
+from memsaving.candidates import cuts as candidates
+from memsaving.planners.budget import lowest_peak_plan
+from memsaving.errors import CheckpointError
+from memsaving.model.graph import GraphModel
+from memsaving.sim.simulate import simulate
+
+logger = logging.getLogger("memsaving")
+
+
+def speed_checkpoints(model: GraphModel) -> List[int]:
+    """The copyable MatMul/Conv/Einsum forward ops (:func:`memsaving.candidates.cuts.speed`)."""
+    found = candidates.speed(model)
+    if not found:
+        raise CheckpointError(
+            "checkpoints='speed' found no MatMul/Conv/Einsum op between xs and ys; "
+            "use checkpoints='memory' or pass a list of tensors."
+        )
+    return found
+
+
+def memory_checkpoints(model: GraphModel) -> List[int]:
+    """The checkpoints of the lowest-peak plan among a few candidate plans
+    (:func:`_lowest_peak`); none when the graph has no cut."""
+    cuts = candidates.memory_candidates(model)
+    if not cuts:
+        # Only graphs with (almost) no ops between xs and ys have no cut at
+        # all; there is nothing to recompute, so plain backprop is the plan.
+        logger.info("checkpoints='memory': no cut between xs and ys; nothing to recompute")
+        return []
+    return _lowest_peak(model, cuts)
+
+
+def _lowest_peak(model: GraphModel, cuts) -> List[int]:
+    """Of a few sqrt(n)-style plans and the budget search's lowest-peak plan,
+    the one the simulator predicts lowest.
+
+    sqrt(n) is only a rule of thumb: when the candidates are many
+    overlapping cuts (level frontiers of a ResNet) it keeps too much, when
+    they are single separators it is about right; on U-Nets, whose skips
+    stay alive across the whole network, unevenly spaced cuts do better.
+    All are single-level plans (about one extra forward pass at most); ties
+    go to less recomputation.
+    """
+    singles = [(cut, b) for cut, b in cuts if len(cut) == 1]
+    pools = [cuts] + ([singles] if singles and len(singles) < len(cuts) else [])
+    options = []
+    for pool in pools:
+        root = max(1, int(round(len(pool) ** 0.5)))
+        for count in sorted({max(1, root // 2), root, min(len(pool), 2 * root)}):
+            options.append(candidates.sqrtn_sets(model, pool, count))
+    options.append(lowest_peak_plan(model, [cut for cut, _ in cuts], cut_bytes=[b for _, b in cuts])[0])
+    best, best_key = None, None
+    for ops in options:
+        sim = simulate(model, ops)
+        key = (sim.peak_bytes, sim.recompute_cost)
+        if best_key is None or key < best_key:
+            best, best_key = ops, key
+    return best

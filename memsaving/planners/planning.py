@@ -1,0 +1,229 @@
+"""A checkpointing plan and its predicted cost (no TensorFlow).
+
+A :class:`Plan` says which ops' outputs are kept, which ops each backward
+segment recomputes, and what the simulator predicts: peak bytes and compute
+relative to plain backprop.  ``memsaving.plan`` returns it and
+``memsaving.gradients`` executes the same plan.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, TextIO, Tuple
+
+from memsaving.model.graph import GraphModel
+from memsaving.model.schedule import Inner, RECOMPUTING, UnitKind, backward_units, kept_set, validate_inner
+from memsaving.sim.simulate import Simulation, simulate
+from memsaving.sim.swap import CostModel
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One backward unit of the plan."""
+
+    kind: UnitKind
+    anchor: str  # the kept op that starts it ("" for the output unit)
+    ops: int  # ops differentiated (and recomputed, for "segment"; only recomputed, for "advance")
+    kept_bytes: int  # bytes of the anchor's outputs kept from the forward pass
+    recompute_cost: float  # FLOPs recomputed
+
+
+@dataclass
+class Plan:
+    """What memsaving will do for one gradient computation.
+
+    Attributes:
+      mode: how checkpoints were chosen ("speed", "memory", "budget", a list...).
+      checkpoints: names of the checkpoint tensors.
+      kept_ops: names of every op whose outputs are kept (checkpoints plus ops
+        that are never recomputed).
+      segments: the backward units, from the output back to the inputs.
+      predicted_peak: simulated peak bytes, including resident memory.
+      plain_peak: simulated peak bytes of plain tf.gradients.
+      predicted_compute: forward + recompute + backward relative to plain.
+      budget: the memory budget in bytes, when one was given.
+      resident_bytes: memory counted as in use before the step (parameters,
+        inputs, or what the device held while planning when that is more);
+        part of ``predicted_peak``.
+      inner_checkpoints: for multi-level plans, kept op name -> the names of
+        the inner checkpoints its segment recomputes first (empty otherwise).
+      swapped: names of the tensors copied to host memory after the forward
+        pass and back before the backward pass reads them.
+      predicted_seconds, plain_seconds: step time of this plan and of plain
+        backprop under the cost model, when swapping was planned.
+      steps: the backward units in execution order as ``(kind, anchor op
+        name, op names in topological order)``: exactly what
+        ``memsaving.gradients`` copies and differentiates.
+    """
+
+    mode: str
+    checkpoints: List[str]
+    kept_ops: List[str]
+    segments: List[Segment]
+    predicted_peak: int
+    plain_peak: int
+    predicted_compute: float
+    budget: Optional[int] = None
+    resident_bytes: int = 0
+    inner_checkpoints: Dict[str, List[str]] = field(default_factory=dict)
+    swapped: List[str] = field(default_factory=list)
+    swapped_bytes: List[int] = field(default_factory=list)
+    transfer_seconds: List[float] = field(default_factory=list)
+    predicted_seconds: Optional[float] = None
+    plain_seconds: Optional[float] = None
+    steps: List[Tuple[str, str, Tuple[str, ...]]] = field(default_factory=list, repr=False)
+    simulation: Optional[Simulation] = field(default=None, repr=False)
+    batch_size: Optional[int] = None
+    """The size given to unknown dimensions (usually the batch) when sizing
+    tensors: the plan's figures hold for this batch."""
+    batch_source: str = ""
+    """Where ``batch_size`` came from (``"batch_size="``, ``"fit(batch_size=8)"``...);
+    empty for the default of 1."""
+    never_recomputed: List[str] = field(default_factory=list)
+    """Forward ops that cannot be copied safely (stateful, random; variable
+    reads are left out): kept from the forward pass and differentiated
+    where they are."""
+    measured_peak: Optional[int] = None
+    """The allocator's peak bytes measured for the step that executes this
+    plan, set by ``memsaving.fit_to_budget`` and ``memsaving.keras``'
+    calibration (None when not measured)."""
+    profile_mode: str = "off"
+    """How kernel temporaries entered the predictions (:mod:`memsaving.tf.profiles`):
+    ``"measure"``, ``"cached"`` (only profiles already cached) or ``"off"``."""
+    profiled_signatures: int = 0
+    """Op signatures measured for this plan (run alone on the device)."""
+    cached_signatures: int = 0
+    """Op signatures whose profiles came from the cache."""
+    profile_seconds: float = 0.0
+    """Time spent profiling, measuring and cache look-ups included."""
+
+    def explain(self, file: Optional[TextIO] = None) -> str:
+        """Print a readable table of the plan (to ``file``, default stdout) and return it."""
+        text = self.table()
+        (file if file is not None else sys.stdout).write(text)
+        return text
+
+    def table(self) -> str:
+        """The table ``explain`` prints: one row per backward unit."""
+        out = io.StringIO()
+        mib = 2 ** 20
+        out.write(f"memsaving plan ({self.mode}): {len(self.checkpoints)} checkpoints, "
+                  f"{sum(s.kind == UnitKind.SEGMENT for s in self.segments)} recomputed segments")
+        inner = sum(len(v) for v in self.inner_checkpoints.values())
+        if inner:
+            out.write(f", {inner} inner checkpoints (multi-level)")
+        if self.swapped:
+            out.write(f", {len(self.swapped)} tensors swapped to host")
+        out.write("\n")
+        out.write(f"predicted peak {self.predicted_peak / mib:.1f} MiB "
+                  f"(plain tf.gradients {self.plain_peak / mib:.1f} MiB, "
+                  f"{self.plain_peak / max(self.predicted_peak, 1):.2f}x lower)")
+        if self.budget is not None:
+            out.write(f", budget {self.budget / mib:.1f} MiB")
+        if self.measured_peak is not None:
+            out.write(f"\nmeasured peak {self.measured_peak / mib:.1f} MiB")
+            if self.budget is not None:
+                out.write(f" (budget {self.budget / mib:.1f} MiB)")
+        if self.batch_source:  # unset when no batch size was given or found
+            out.write(f"\nsized for batch {self.batch_size} ({self.batch_source})")
+        if self.profile_mode == "measure" or self.cached_signatures:
+            out.write(f"\nkernel temporaries: {self.profiled_signatures} op signatures profiled, "
+                      f"{self.cached_signatures} from cache, {self.profile_seconds:.1f} s")
+        out.write(f"\npredicted compute {self.predicted_compute:.2f}x a plain step")
+        if self.predicted_seconds is not None and self.plain_seconds:
+            out.write(f"; predicted step time {self.predicted_seconds / self.plain_seconds:.2f}x plain "
+                      "(transfers overlapping compute)")
+        out.write("\n\n")
+        out.write(f"{'#':>3}  {'unit':8} {'starts at (kept op)':40} {'ops':>5} {'kept MiB':>9} {'recompute MFLOP':>16}\n")
+        for n, s in enumerate(self.segments):
+            anchor = s.anchor if len(s.anchor) <= 40 else "..." + s.anchor[-37:]
+            out.write(f"{n:>3}  {s.kind:8} {anchor:40} {s.ops:>5} {s.kept_bytes / mib:>9.2f} "
+                      f"{s.recompute_cost / 1e6:>16.2f}\n")
+        if self.never_recomputed:
+            shown = ", ".join(self.never_recomputed[:8])
+            more = f" and {len(self.never_recomputed) - 8} more" if len(self.never_recomputed) > 8 else ""
+            out.write(f"\nkept, never recomputed (stateful or random ops): {shown}{more}\n")
+        if self.swapped:
+            out.write("\nswapped to host (kept off the device between the passes):\n")
+            out.write(f"{'tensor':50} {'MiB':>8} {'transfer ms':>12}\n")
+            for name, size, seconds in zip(self.swapped, self.swapped_bytes, self.transfer_seconds):
+                name = name if len(name) <= 50 else "..." + name[-47:]
+                out.write(f"{name:50} {size / mib:>8.2f} {seconds * 1e3:>12.3f}\n")
+        return out.getvalue()
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def make_plan(
+    model: GraphModel,
+    checkpoint_ops: Sequence[int],
+    mode: str,
+    budget: Optional[int] = None,
+    keep_x_gradients: bool = False,
+    inner: Optional[Inner] = None,
+    swapped: Sequence[int] = (),
+    cost: Optional[CostModel] = None,
+    inplace: Optional[bool] = None,
+) -> Plan:
+    """Score the plan that keeps ``checkpoint_ops`` (and, for multi-level
+    plans, recomputes ``inner`` checkpoints, and swaps the ``swapped``
+    tensors) and describe it."""
+    inner = {a: tuple(v) for a, v in (inner or {}).items() if v}
+    kept = kept_set(model, checkpoint_ops)
+    validate_inner(model, kept, inner)
+    swapped = sorted(set(swapped))
+    if swapped:
+        cost = cost or CostModel()
+    inplace = bool(swapped) if inplace is None else inplace
+    sim = simulate(model, kept=kept, keep_x_gradients=keep_x_gradients, inner=inner, swapped=swapped, cost=cost,
+                   inplace=inplace)
+    plain = simulate(model, keep_x_gradients=keep_x_gradients, cost=cost, unpinned=True)
+    segments = []
+    steps = []
+    for unit in backward_units(model, kept, inner, inplace=inplace):
+        anchor = model.ops[unit.anchor] if unit.anchor >= 0 else None
+        steps.append((unit.kind, anchor.name if anchor else "", tuple(model.ops[i].name for i in unit.ops)))
+        kept_bytes = sum(model.tensors[t].nbytes for t in anchor.outputs) if anchor else 0
+        recomputed = unit.kind in RECOMPUTING
+        recompute = sum(model.ops[i].cost for i in unit.ops) if recomputed else 0.0
+        if unit.kind == UnitKind.PASS and model.ops[unit.anchor].type == "ReadVariableOp":
+            continue
+        segments.append(Segment(unit.kind, anchor.name if anchor else "", len(unit.ops), kept_bytes, recompute))
+    checkpoints = [
+        model.tensors[t].name for i in sorted(set(checkpoint_ops)) for t in model.ops[i].outputs
+        if model.tensors[t].trainable
+    ]
+    return Plan(
+        mode=mode,
+        checkpoints=checkpoints,
+        kept_ops=[model.ops[i].name for i in sorted(kept)],
+        segments=segments,
+        predicted_peak=sim.peak_bytes,
+        plain_peak=plain.peak_bytes,
+        predicted_compute=sim.compute_ratio,
+        budget=budget,
+        resident_bytes=model.resident_bytes,
+        inner_checkpoints={model.ops[a].name: [model.ops[i].name for i in v] for a, v in sorted(inner.items())},
+        never_recomputed=[op.name for op in model.ops
+                          if op.forward and not op.copyable and op.type != "ReadVariableOp"],
+        swapped=[model.tensors[t].name for t in swapped],
+        swapped_bytes=[model.tensors[t].nbytes for t in swapped],
+        transfer_seconds=[model.tensors[t].nbytes / cost.bandwidth for t in swapped] if swapped else [],
+        predicted_seconds=sim.step_seconds,
+        plain_seconds=plain.step_seconds,
+        steps=steps,
+        simulation=sim,
+        **_profile_fields(model),
+    )
+
+
+def _profile_fields(model: GraphModel) -> dict:
+    """The Plan fields saying how the model's kernel temporaries were profiled."""
+    summary = model.profile
+    if summary is None:
+        return {}
+    return {"profile_mode": summary.mode, "profiled_signatures": summary.measured,
+            "cached_signatures": summary.cached, "profile_seconds": summary.seconds}

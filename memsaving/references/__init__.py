@@ -1,0 +1,1 @@
+"""Exact references the planners are compared with: enumeration, MILP, layer graphs."""

@@ -1,0 +1,152 @@
+"""Predicting the peak memory and compute of a gradient computation.
+
+Every strategy (plain backprop, any checkpoint choice) is scored here, on the
+neutral graph model, by replaying the step as a list of actions: the forward
+ops, then each backward unit's recomputation and gradient ops.  A buffer lives
+from the action that produces it to the last action that reads it, which is
+how TensorFlow's executor frees memory (reference counts), so the predicted
+peak is the largest sum of live buffers during any action, plus the memory
+resident before the step.  The actions come from :mod:`memsaving.sim.actions`,
+the buffer rules from :mod:`memsaving.model.buffers`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Iterable, List, Optional, Set, Tuple
+
+from memsaving.sim.actions import BACKWARD_COST_FACTOR, step_actions
+from memsaving.model.buffers import Action, Key, memory_replay
+from memsaving.sim.executor import unpinned_orders
+from memsaving.model.graph import GraphModel, gradient_sinks
+from memsaving.model.schedule import Inner, backward_units, kept_set
+from memsaving.sim.swap import CostModel, add_swaps, timed_replay
+
+
+@dataclass
+class Simulation:
+    """Result of replaying one plan.
+
+    Attributes:
+      peak_bytes: predicted peak (resident + live buffers).
+      forward_cost, recompute_cost, backward_cost: compute in the model's units.
+      timeline: bytes in use after each action (without resident memory).
+      labels: the action names, aligned with ``timeline``.
+    """
+
+    peak_bytes: int
+    forward_cost: float
+    recompute_cost: float
+    backward_cost: float
+    timeline: List[int] = field(repr=False, default_factory=list)
+    labels: List[str] = field(repr=False, default_factory=list)
+    unit_ends: List[int] = field(repr=False, default_factory=list)
+    """Index in ``timeline`` of the last action of the forward pass plus
+    output unit, then of each later backward unit (advance units included)."""
+    step_seconds: Optional[float] = None
+    """Predicted step time under the cost model (when one was given)."""
+    swapped_bytes: int = 0
+    """Bytes copied to the host and back (each swapped tensor once out, and
+    once in per swap-in)."""
+
+    @property
+    def compute_ratio(self) -> float:
+        """Total compute relative to plain backprop (forward + backward)."""
+        plain = self.forward_cost + self.backward_cost
+        return (plain + self.recompute_cost) / plain if plain else 1.0
+
+
+def simulate(
+    model: GraphModel,
+    checkpoint_ops: Iterable[int] = (),
+    keep_x_gradients: bool = False,
+    kept: Optional[Set[int]] = None,
+    inner: Optional[Inner] = None,
+    swapped: Iterable[int] = (),
+    cost: Optional[CostModel] = None,
+    inplace: Optional[bool] = None,
+    unpinned: bool = False,
+) -> Simulation:
+    """Replay the gradient computation that keeps ``checkpoint_ops``.
+
+    With no checkpoints this is plain backprop (tf.gradients).
+
+    Args:
+      model: the graph model.
+      checkpoint_ops: indices of ops whose outputs are kept.
+      keep_x_gradients: True when the gradients of ``xs`` stay alive until
+        the end (returned to the caller); False when each is consumed as soon
+        as it is made (e.g. applied or reduced).
+      kept: the full kept set, when already computed.
+      inner: multi-level plans (:data:`memsaving.model.schedule.Inner`): inner
+        checkpoints recomputed at the start of a segment's backward.
+      swapped: tensor ids copied to the host after the forward pass and back
+        before the backward pass reads them (:mod:`memsaving.sim.swap`).
+      cost: speeds of compute and transfers; with it (or with swaps) the
+        step is also timed on three streams, and the peak is the timed one.
+      inplace: differentiate kept ops whose inputs are all kept where they
+        are instead of recomputing them (default: only when swapping).
+      unpinned: the step runs with no order added (plain ``tf.gradients``):
+        on a model whose executor runs several kernels at once, replay the
+        actions in the orders :func:`memsaving.sim.executor.unpinned_orders`
+        gives instead of the order they were written in, and score the one
+        of median peak.
+    """
+    if kept is None:
+        kept = kept_set(model, checkpoint_ops)
+    swapped = set(swapped)
+    units = backward_units(model, kept, inner, inplace=bool(swapped) if inplace is None else inplace)
+    actions, unit_ends = step_actions(model, kept, units)
+    pinned = {("g", x) for x in gradient_sinks(model)} if keep_x_gradients else set()
+    if unpinned and model.ready_gradients_early and not swapped:
+        actions, unit_ends = _median_executor_order(actions, unit_ends, pinned)
+    step_seconds = timed_peak = None
+    if swapped or cost is not None:
+        cost = cost or CostModel()
+        if swapped:
+            actions = add_swaps(actions, model, swapped, len(model.ops), cost)
+            unit_ends = _shifted(unit_ends, actions)
+        step_seconds, timed_peak, _ = timed_replay(actions, cost, pinned)
+    timeline, peak = memory_replay(actions, pinned)
+    if swapped:
+        peak = timed_peak
+    forward_cost = sum(op.cost for op in model.ops)
+    recompute = sum(a.cost for a in actions if a.label.startswith(("recompute ", "advance ")))
+    backward = BACKWARD_COST_FACTOR * sum(op.cost for op in model.ops if op.forward)
+    return Simulation(
+        peak_bytes=model.resident_bytes + peak,
+        forward_cost=forward_cost,
+        recompute_cost=recompute,
+        backward_cost=backward,
+        timeline=timeline,
+        labels=[a.label for a in actions],
+        unit_ends=unit_ends,
+        step_seconds=step_seconds,
+        swapped_bytes=int(sum(a.cost for a in actions if a.stream != "compute")),
+    )
+
+
+def _median_executor_order(actions: List[Action], unit_ends: List[int],
+                           pinned: Set[Key]) -> Tuple[List[Action], List[int]]:
+    """The actions in the executor's order (:func:`memsaving.sim.executor.unpinned_orders`)
+    whose replay has the median peak, and the unit ends in that order (a
+    unit ends when all its actions have started)."""
+    runs = []
+    for order in unpinned_orders(actions):
+        reordered = [actions[i] for i in order]
+        runs.append((memory_replay(reordered, pinned)[1], order, reordered))
+    runs.sort(key=lambda run: run[0])
+    _, order, reordered = runs[len(runs) // 2]
+    position = [0] * len(order)
+    for k, j in enumerate(order):
+        position[j] = k
+    last_started = list(accumulate(position, max))
+    return reordered, [last_started[end] for end in unit_ends]
+
+
+def _shifted(unit_ends: List[int], actions: List[Action]) -> List[int]:
+    """Unit boundaries after swap actions were inserted: the same compute
+    actions, counted in the new list."""
+    positions = [i for i, a in enumerate(actions) if a.stream == "compute"]
+    return [positions[e] if e < len(positions) else len(actions) - 1 for e in unit_ends]

@@ -1,0 +1,1 @@
+"""Commands, the demo, built-in models and memory timelines."""
