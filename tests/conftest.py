@@ -3,6 +3,12 @@
 * ``TF_CPU_ALLOCATOR_USE_BFC=true`` so peak memory can be measured on CPU;
 * one inter-op thread so measured peaks repeat to the byte;
 * two logical CPU devices so placement across devices can be tested.
+
+Tests are grouped like the package: ``tests/<layer>/`` tests
+``memsaving/<layer>/``.  The planning side's tests (TENSORFLOW_FREE) never
+import TensorFlow; it is imported and configured only before the first
+test module of another folder is collected, so ``pytest tests/sim`` (or
+any planning-side folder) runs without it.
 """
 
 import gc
@@ -17,7 +23,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # run keeps a test's predictions from depending on what earlier runs cached.
 os.environ["MEMSAVING_CACHE_DIR"] = tempfile.mkdtemp(prefix="memsaving-test-profiles-")
 
-def _configure_tensorflow():
+TENSORFLOW_FREE = {"model", "sim", "candidates", "planners", "references", "treedecomp"}
+"""The test folders whose tests run without TensorFlow."""
+
+
+def configure_tensorflow():
+    """One inter-op thread and two logical CPUs; a no-op once TensorFlow
+    has started, or when it is not installed."""
     try:
         import tensorflow as tf
     except ImportError:  # treedecomp tests run without TensorFlow
@@ -32,7 +44,11 @@ def _configure_tensorflow():
         pass  # already initialised by an earlier import
 
 
-_configure_tensorflow()
+def pytest_collectstart(collector):
+    """Configure TensorFlow before the first test module that may start it
+    is imported."""
+    if isinstance(collector, pytest.Module) and collector.path.parent.name not in TENSORFLOW_FREE:
+        configure_tensorflow()
 
 
 @pytest.fixture(autouse=True, scope="module")

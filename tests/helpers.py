@@ -1,5 +1,6 @@
 """Running a model's gradients with tf.gradients and memsaving side by side."""
 
+import glob
 import json
 import os
 import subprocess
@@ -156,7 +157,7 @@ def grappler_failures(call):
 
 def in_a_fresh_process(module: str, function: str, *args, test_settings: bool = True, environment=None,
                        timeout: int = 300):
-    """``tests/<module>.py``'s ``function(*args)`` called in a new Python
+    """``tests/**/<module>.py``'s ``function(*args)`` called in a new Python
     process; returns what it returned (it must be JSON-serialisable).
 
     A measured peak depends on what ran before it in the same process: the
@@ -170,8 +171,9 @@ def in_a_fresh_process(module: str, function: str, *args, test_settings: bool = 
     added to the process's environment (read when TensorFlow starts, such
     as ``TF_ENABLE_ONEDNN_OPTS``)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path.insert(0, {here!r}); "
-            + ("import conftest; " if test_settings else "")
+    folder = next(os.path.dirname(path) for path in glob.glob(os.path.join(here, "**", f"{module}.py"), recursive=True))
+    code = (f"import sys; sys.path[:0] = [{here!r}, {folder!r}]; "
+            + ("import conftest; conftest.configure_tensorflow(); " if test_settings else "")
             + f"import json, memsaving, {module}; "
             + f"print('RESULT', json.dumps({module}.{function}(*{args!r})))")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(environment or {}))

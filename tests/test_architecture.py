@@ -16,7 +16,10 @@ fails when
 * a module of the planning side imports TensorFlow or Keras, or importing
   it loads TensorFlow;
 * a module is in no layer, or memsaving/ holds more than MAX_TOP_LEVEL
-  modules (a new module goes in a subpackage).
+  modules (a new module goes in a subpackage);
+* a test of a planning-side layer (``tests/sim/`` and the like) imports
+  TensorFlow, the TensorFlow test helpers or a TensorFlow-side module, or
+  collecting those tests loads TensorFlow.
 
 README, "Architecture", draws the layers.
 """
@@ -295,3 +298,44 @@ def test_the_checks_catch_what_they_guard(tmp_path, monkeypatch):
         test_planning_side_never_imports_tensorflow("sim")
     with pytest.raises(AssertionError, match="memsaving.stray"):
         test_every_module_has_a_layer()
+    (tmp_path / "tests" / "sim").mkdir(parents=True)
+    (tmp_path / "tests" / "sim" / "test_bad.py").write_text("import numpy\nimport tensorflow as tf\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match="tests/sim/test_bad.py:2 imports tensorflow"):
+        test_planning_side_tests_never_import_tensorflow()
+
+
+TEST_HELPERS_WITH_TENSORFLOW = ("helpers", "model_zoo", "random_programs")
+
+
+def test_planning_side_tests_never_import_tensorflow():
+    """``tests/<layer>/`` of a planning-side layer imports only planning-side
+    modules (any of those layers, and ``memsaving.errors``), so it runs
+    without TensorFlow."""
+    wrong = []
+    for layer in sorted(TENSORFLOW_FREE):
+        for path in sorted((ROOT / "tests" / layer).glob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                for name in names:
+                    first = name.split(".")[0]
+                    target = name if name in FILES else ""
+                    if (first in FRAMEWORKS or first in TEST_HELPERS_WITH_TENSORFLOW or name == "memsaving"
+                            or (target and _package(target) == "memsaving"
+                                and _layer(target) not in TENSORFLOW_FREE)):
+                        wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
+    assert not wrong, "planning-side tests must run without TensorFlow:\n" + "\n".join(wrong)
+
+
+def test_planning_side_tests_collect_without_tensorflow():
+    folders = [f"tests/{layer}" for layer in sorted(TENSORFLOW_FREE)] + ["tests/treedecomp"]
+    script = ("import sys, pytest\n"
+              f"code = pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', *{folders!r}])\n"
+              f"print('LOADED', sorted(n for n in sys.modules if n.split('.')[0] in {FRAMEWORKS!r}))\n"
+              "sys.exit(code)\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    loaded = result.stdout.splitlines()[-1]
+    assert loaded == "LOADED []", loaded[:300]

@@ -80,9 +80,9 @@ def consumed_at_once(key: Key, action: Action, i: int, last_read: Dict[Key, int]
     False): it is made and consumed (applied, reduced) by its own kernel,
     before the op's other gradient kernels allocate, so it adds to the peak
     on its own.  A weight gradient and the gradient of the layer's input are
-    separate kernels; on a swapping MLP TensorFlow ran the weight gradient
-    and its reduction first (measured peak 0.76 MiB, 1.00 had both been
-    held together)."""
+    separate kernels, and TensorFlow runs the weight gradient and its
+    reduction first (README, "Swapping to host memory", compares the
+    prediction with the measured peak of a swapping MLP)."""
     return key in action.results and key not in pinned and last_read.get(key, i) <= i
 
 

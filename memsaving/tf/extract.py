@@ -68,8 +68,8 @@ FORWARDS_INPUT_OPS = frozenset({
 })
 """Elementwise ops whose kernels, and whose gradients' kernels, write into
 an input's buffer when nothing else reads it (so ``tanh(matmul(x, w))``
-holds one buffer, not two); measured: it brings the predicted peak of a
-swapping MLP from 1.00 to 0.75 MiB, the 0.76 MiB the allocator reports."""
+holds one buffer, not two).  README, "Swapping to host memory", compares
+the prediction this gives with the measured peak of a swapping MLP."""
 MATMUL_OPS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
 CONV_OPS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative"})
 

@@ -334,9 +334,9 @@ class BackwardBuilder:
         that recomputes nothing) adds to them.  Otherwise nothing would make
         the step wait for those earlier gradients, and TensorFlow's executor
         may defer them, weight gradients especially, to the end of the step
-        with the activations they read (measured on residual and conv nets
-        with Grappler's arithmetic optimizer on: the budget plan of a 56-layer
-        ResNet measured 55 MiB against 33 MiB predicted)."""
+        with the activations they read; on residual and conv nets with
+        Grappler's arithmetic optimizer on, budget plans then measured far
+        above their prediction."""
         made = [g for g in results if g is not None]
         self.previous_results = made if waited else made + self.previous_results
 
@@ -412,9 +412,7 @@ def _seed(y: tf.Tensor) -> tf.Tensor:
     Grappler folds a seed that does not wait for ``y`` into a constant, and
     the gradient ops it feeds (``g * b`` for a loss ``sum(a * b)``) then
     become ready during the forward pass: TensorFlow ran them there and held
-    their results through the rest of it (seen in a traced run of two towers
-    in memory mode, whose measured peak went from 3.02-3.49 MiB to
-    2.88-3.33 against 2.75 predicted)."""
+    their results through the rest of it, above the predicted peak."""
     with tf.control_dependencies([y]):
         return default_gradient.ones_like(y)
 

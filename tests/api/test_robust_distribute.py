@@ -1,4 +1,4 @@
-"""tf.distribute.MirroredStrategy over the two logical CPUs (issue 8, item 4).
+"""tf.distribute.MirroredStrategy over the two logical CPUs.
 
 memsaving.gradients inside strategy.run on a Keras conv model with
 BatchNorm, applying the gradients in the replica context: the same weights

@@ -3,7 +3,7 @@
 The planner meets a budget as *predicted*; these tests run real steps,
 measure the allocator's peak, and check that the calibration replans for a
 lower budget until the measured peak fits, or says with the measured figures
-that it cannot.  ``pytest tests/test_fit_budget.py -s`` prints every round.
+that it cannot.  ``pytest tests/api/test_fit_budget.py -s`` prints every round.
 """
 
 import gc

@@ -1,4 +1,4 @@
-"""Control flow inside the forward pass (issue 8, item 2).
+"""Control flow inside the forward pass.
 
 Functional control flow (tf.cond -> If/StatelessIf, tf.while_loop ->
 While/StatelessWhile, Keras RNN layers with unroll=False) is supported: each

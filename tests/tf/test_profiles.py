@@ -1,7 +1,7 @@
 """Kernel temporaries: the simulator's rule on hand-made models, and the
 profiler (memsaving.tf.profiles) against measured peaks.
 
-The measured tests compare activation memory, as tests/test_plan.py does:
+The measured tests compare activation memory, as tests/api/test_plan.py does:
 the step's peak minus the memory in use before it, against the predicted
 plain peak minus the resident bytes the model counted.
 """

@@ -14,14 +14,9 @@ from memsaving.references.milp import peak_lower_bound, run_milp, solve_milp, tr
 from memsaving.sim.replay import plain_schedule, plan_schedule, simulate_schedule
 from memsaving.sim.simulate import simulate
 
+from chains import random_chains
+
 GAP = 1e-7  # solve to (near) proven optimality for the comparisons below
-
-
-def _random_chains(count, n, seed):
-    rng = np.random.default_rng(seed)
-    for trial in range(count):
-        reads = ("input", "output", "both")[trial % 3]
-        yield chain_model(list(rng.integers(100, 1000, n)), list(rng.uniform(1, 10, n)), grad_reads=reads)
 
 
 def residual_model() -> GraphModel:
@@ -57,7 +52,7 @@ def _same(a, b):
 
 @pytest.mark.parametrize("keep_x", [False, True])
 def test_plain_schedule_replays_exactly_like_simulate(keep_x):
-    models = list(_random_chains(3, 9, seed=1)) + [residual_model()]
+    models = list(random_chains(3, 9, seed=1)) + [residual_model()]
     for model in models:
         _same(simulate_schedule(model, plain_schedule(model), keep_x_gradients=keep_x),
               simulate(model, keep_x_gradients=keep_x))
@@ -67,7 +62,7 @@ def test_checkpoint_plans_replay_exactly_like_simulate():
     """Single-level plans over separating ops (``articulation``): a
     checkpoint that does not separate makes ``simulate`` differentiate the
     ops before it in two units, which a schedule cannot express."""
-    for model in list(_random_chains(3, 7, seed=2)) + [residual_model()]:
+    for model in list(random_chains(3, 7, seed=2)) + [residual_model()]:
         for k in range(3):
             for plan in itertools.combinations(articulation(model), k):
                 _same(simulate_schedule(model, plan_schedule(model, plan)), simulate(model, list(plan)))
@@ -115,7 +110,7 @@ def test_recomputed_buffers_have_their_own_lifetimes():
 
 def test_milp_lies_between_the_no_recompute_bound_and_the_best_checkpoint_plan():
     compared = 0
-    for model in _random_chains(6, 7, seed=3):
+    for model in random_chains(6, 7, seed=3):
         plain = simulate(model)
         step = plain.forward_cost + plain.backward_cost
         candidates = list(range(len(model.ops) - 1))
@@ -145,7 +140,7 @@ def test_milp_without_memory_pressure_recomputes_nothing():
 
 def test_milp_memory_model_bounds_the_simulator():
     """The MILP's own peak is never below the replayed one (same schedule)."""
-    for model in list(_random_chains(3, 7, seed=4)) + [residual_model()]:
+    for model in list(random_chains(3, 7, seed=4)) + [residual_model()]:
         plain = simulate(model).peak_bytes
         for fraction in (0.6, 0.8):
             result = solve_milp(model, int(plain * fraction), mip_rel_gap=GAP)
@@ -154,7 +149,7 @@ def test_milp_memory_model_bounds_the_simulator():
 
 
 def test_milp_infeasible_below_the_smallest_possible_peak():
-    for model in list(_random_chains(3, 6, seed=5)) + [residual_model()]:
+    for model in list(random_chains(3, 6, seed=5)) + [residual_model()]:
         floor = peak_lower_bound(model)
         assert solve_milp(model, floor - 1) is None
         # the lowest peak of any single-level plan is reachable, and not below the floor
@@ -195,11 +190,11 @@ def test_budget_plans_against_the_milp_optimum():
     DP, its per-op refinements and multi-level plans) against the optimum
     over all schedules, on small chains and budgets.
 
-    Issue 4's target is a geometric mean within 2% of the optimum; measured
+    The target is a geometric mean within 2% of the optimum; measured
     1.014 (the cut DP alone: 1.015 on the cases it solves).
     """
     ratios = []
-    for model in _random_chains(6, 8, seed=6):
+    for model in random_chains(6, 8, seed=6):
         plain = simulate(model)
         candidates = list(range(len(model.ops) - 1))
         for fraction in (0.6, 0.75, 0.9):

@@ -158,7 +158,7 @@ def test_predicted_peak_within_15_percent_on_multibranch_models(name):
     """The simulator against the allocator: plain, "memory" and two budgets.
 
     The U-Net's memory plan is allowed 25%: the executor does not follow the
-    simulated order there (issue 15, item 3, is open), and its measured peak
+    simulated order there, and its measured peak
     depends on the order the process settles on: 1.60-1.87 MiB against 1.50
     predicted, over single-threaded processes (conftest) and fresh-clone runs."""
     gc.collect()  # plans count what the allocator holds: no earlier garbage freed between the plans below

@@ -1,4 +1,4 @@
-"""Property-based correctness on image-shaped random DAGs (issue 8, item 1).
+"""Property-based correctness on image-shaped random DAGs.
 
 Every tensor of a generated program has shape [B, H, W, C]; ops are 2-D
 convolutions, matmuls over the channel axis, elementwise ops, concat and a

@@ -147,7 +147,7 @@ def test_keras_hub_backbone(tmp_path):
 
 @pytest.mark.slow
 def test_resnet50v2_trace_and_plan_time(tmp_path):
-    """Issue 14: trace and plan of a saved ResNet50V2 (64x64, batch 8) in under 45 s."""
+    """Trace and plan of a saved ResNet50V2 (64x64, batch 8) in under 45 s."""
     path = tmp_path / "resnet50v2.keras"
     keras.applications.ResNet50V2(weights=None, input_shape=(64, 64, 3), classes=10).save(path)
     model = keras.models.load_model(path, compile=False)

@@ -9,17 +9,12 @@ from memsaving.references.exact import optimal_plan
 from memsaving.model.graph import chain_model
 from memsaving.sim.simulate import simulate
 
-
-def _random_chains(count, n, seed):
-    rng = np.random.default_rng(seed)
-    for trial in range(count):
-        reads = ("input", "output", "both")[trial % 3]
-        yield chain_model(list(rng.integers(100, 1000, n)), list(rng.uniform(1, 10, n)), grad_reads=reads)
+from chains import random_chains
 
 
 def test_budget_plans_are_near_the_exact_optimum():
     ratios = []
-    for model in _random_chains(9, 11, seed=7):
+    for model in random_chains(9, 11, seed=7):
         plain = simulate(model).peak_bytes
         candidates = list(range(len(model.ops) - 1))
         for fraction in (0.5, 0.65, 0.8):

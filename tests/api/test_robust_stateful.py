@@ -1,4 +1,4 @@
-"""BatchNorm in training mode, dropout and stateful random ops (issue 8, item 5).
+"""BatchNorm in training mode, dropout and stateful random ops.
 
 Stateful ops (random draws, variable reads, assignments) are never copied:
 their outputs are kept from the forward pass, so gradients are bit-for-bit

@@ -1,4 +1,4 @@
-"""Bad input (issue 8, item 6): the error paths not covered by test_errors.py,
+"""Bad input: the error paths not covered by test_errors.py,
 test_robustness.py, test_swap.py and test_cli_and_measure.py, each with a
 message that says what to do."""
 

@@ -1,4 +1,4 @@
-"""Replacing tf.gradients by memsaving (issue 14): by hand and with memsaving.patch().
+"""Replacing tf.gradients by memsaving: by hand and with memsaving.patch().
 
 Every test restores TensorFlow's functions (the ``restore_tf_gradients``
 fixture), so the other test files, which use tf.gradients as the reference,

@@ -1,7 +1,7 @@
 """memsaving.gradients runs the loops it builds one iteration at a time:
 gradients unchanged, the user's forward loop untouched.  That the profiled
 and the measured peak of a recurrent step then agree is tested in
-tests/test_profiles.py::test_lstm_step."""
+tests/tf/test_profiles.py::test_lstm_step."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Dtypes in the forward pass (issue 8, item 3): float16 / bfloat16 / float64,
+"""Dtypes in the forward pass: float16 / bfloat16 / float64,
 integer and bool tensors, casts, Keras mixed precision through
 memsaving.keras.enable, and tensor sizes of the graph model by real dtype."""
 

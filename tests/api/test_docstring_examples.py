@@ -1,0 +1,25 @@
+"""The Examples in the docstrings of the functions users start from run, and
+print what they say."""
+
+import doctest
+
+import pytest
+
+import memsaving.api
+import memsaving.keras
+
+EXAMPLES = {
+    "gradients": memsaving.api.gradients,
+    "plan": memsaving.api.plan,
+    "keras.enable": memsaving.keras.enable,
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_docstring_examples_run(name):
+    tests = doctest.DocTestFinder().find(EXAMPLES[name], name)
+    assert tests and tests[0].examples, f"{name} has no Examples"
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for test in tests:
+        runner.run(test)
+    assert runner.failures == 0, f"{runner.failures} example(s) of {name} failed (output above)"
