@@ -12,7 +12,6 @@ import logging
 import warnings
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
-import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.ops import control_flow_util, resource_variable_ops
@@ -32,8 +31,9 @@ from memsaving.planners.hybrid import plan_hybrid
 from memsaving.tf.loop_pinning import pin_loop_iterations
 from memsaving.tf.rewrite import BackwardBuilder
 from memsaving.model.schedule import kept_set
-from memsaving.sim.swap import CostModel, swap_candidates
-from memsaving.tf.swap_rewrite import SwapOptions, insert_swaps
+from memsaving.options import ACCEPTED_KEYWORDS, SWAP_KEYS, Options, parse_options
+from memsaving.sim.swap import swap_candidates
+from memsaving.tf.swap_rewrite import insert_swaps
 
 logger = logging.getLogger("memsaving")
 
@@ -55,12 +55,7 @@ TensorLike = Union[tf.Tensor, tf.Variable]
 ORIGINAL_TF_GRADIENTS = _gradients_impl.gradients_v2
 ORIGINAL_TF_COMPAT_V1_GRADIENTS = _gradients_impl.gradients
 
-_PASSED_THROUGH = ("gate_gradients", "aggregation_method", "colocate_gradients_with_ops")
-_SWAP_KEYS = ("swap", "swap_device", "swap_trigger", "swap_lb", "swap_ub", "swap_fuse", "bandwidth",
-              "flops_per_second", "swap_backend")
 HALF_PRECISION = (tf.float16, tf.bfloat16)
-ACCEPTED_KEYWORDS = frozenset(_PASSED_THROUGH + ("name", "stop_gradients", "unconnected_gradients", "batch_size")
-                      + _SWAP_KEYS + ("profile", "follow_order"))
 
 
 def _as_list(value) -> list:
@@ -200,7 +195,7 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
             f"memsaving.gradients got unexpected keyword argument(s) {unknown}; "
             f"accepted: ys, xs, grad_ys, checkpoints, {', '.join(sorted(ACCEPTED_KEYWORDS))}"
         )
-    _check_follow_order(kwargs.get("follow_order"))
+    options = parse_options(kwargs)
     ys = _as_list(ys)
     xs = _as_list(xs)
     if not ys:
@@ -216,10 +211,7 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
     else:
         grad_ys = [None] * len(ys)
 
-    name = kwargs.get("name") or "memsaving_gradients"
-    unconnected = tf.UnconnectedGradients(kwargs.get("unconnected_gradients", "none"))
-    passed = {k: kwargs[k] for k in _PASSED_THROUGH if k in kwargs}
-    gradients_fn = ORIGINAL_TF_COMPAT_V1_GRADIENTS if "colocate_gradients_with_ops" in passed else ORIGINAL_TF_GRADIENTS
+    gradients_fn = ORIGINAL_TF_COMPAT_V1_GRADIENTS if options.gradient.colocated else ORIGINAL_TF_GRADIENTS
 
     graph = tf.compat.v1.get_default_graph()
     if _in_xla_function(graph):
@@ -230,25 +222,26 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
             "gradients.",
             stacklevel=2,
         )
-    with tf.name_scope(name):
+    with tf.name_scope(options.gradient.name):
         ys, xs = _graph_tensors(ys, xs)
         grad_ys = _graph_grad_ys(grad_ys, ys)
-        fwd, plan_ = _plan(ys, xs, checkpoints, budget, kwargs, seeded_with_ones=all(g is None for g in grad_ys))
+        fwd, plan_ = _plan(ys, xs, checkpoints, budget, options, seeded_with_ones=all(g is None for g in grad_ys))
         _calibration.record_plan(plan_)  # memsaving.fit_to_budget collects the plans of the step it traces
         by_name = {op.name: op for op in fwd.ops}
         kept = {by_name[n] for n in plan_.kept_ops if n in by_name}
         kept |= {by_name[n] for names in plan_.inner_checkpoints.values() for n in names}
         steps = [(kind, by_name[anchor] if anchor else None, [by_name[n] for n in names])
                  for kind, anchor, names in plan_.steps]
-        builder = BackwardBuilder(fwd, kept, steps, gradients_fn, passed, probe=probe,
-                                  follow_order=_follow_order(kwargs.get("follow_order"), fwd, plan_))
+        builder = BackwardBuilder(fwd, kept, steps, gradients_fn, options.gradient.passed, probe=probe,
+                                  follow_order=_follow_order(options.gradient.follow_order, fwd, plan_))
         with ops_made_in(graph) as made:
-            result = builder.build(ys, grad_ys, xs, unconnected == tf.UnconnectedGradients.ZERO)
+            zeros = options.gradient.unconnected_gradients == tf.UnconnectedGradients.ZERO
+            result = builder.build(ys, grad_ys, xs, zeros)
         pin_loop_iterations(made)
         if plan_.swapped:
             by_tensor = {t.name: t for op in fwd.ops for t in op.outputs}
             insert_swaps(made, [by_tensor[n] for n in plan_.swapped],
-                         _swap_options(kwargs), kwargs.get("swap_backend"), forward=fwd.ops)
+                         options.swap.emit, options.swap.backend, forward=fwd.ops)
     logger.info(
         "memsaving.gradients: %d forward ops, %d checkpoints, %d segments, %d ops recomputed; "
         "predicted peak %.1f MiB (plain %.1f MiB)",
@@ -256,12 +249,6 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
         plan_.predicted_peak / 2**20, plan_.plain_peak / 2**20,
     )
     return result, plan_
-
-
-def _check_follow_order(value) -> None:
-    if value is not None and not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"follow_order={value!r}: pass True (run gradient ops in the planned order), False "
-                        "(leave the order to TensorFlow) or leave it out")
 
 
 def _follow_order(value, fwd, plan_: Plan) -> bool:
@@ -347,28 +334,6 @@ def _captured_in(x, graph):
     return x
 
 
-def _swap_distance(kwargs, key: str, default: int) -> int:
-    value = kwargs.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{key} must be an int number of topological levels (default {default}), got {value!r}")
-    return int(value)
-
-
-def _swap_options(kwargs) -> SwapOptions:
-    return SwapOptions(
-        device=kwargs.get("swap_device") or "/CPU:0",
-        trigger=kwargs.get("swap_trigger") or "direct",
-        lb=_swap_distance(kwargs, "swap_lb", 3),
-        ub=_swap_distance(kwargs, "swap_ub", 30),
-        fuse=bool(kwargs.get("swap_fuse", True)),
-    )
-
-
-def _cost_model(kwargs) -> CostModel:
-    return CostModel(flops_per_second=float(kwargs.get("flops_per_second") or 10e12),
-                     bandwidth=float(kwargs.get("bandwidth") or 16e9), lb=int(kwargs.get("swap_lb", 3)))
-
-
 def _swapped(swap, fwd, model, chosen, inner=None) -> list:
     """Tensor ids of ``model`` to swap for the ``swap=`` argument."""
     if swap is None or swap is False:
@@ -413,14 +378,15 @@ def _candidate_pool(checkpoints, fwd, model) -> tuple:
     return _checkpoint_ops(checkpoints, fwd, model), None
 
 
-def _hybrid_plan(model, fwd, checkpoints, budget, kwargs, keep_x, or_lowest: bool = False) -> Plan:
+def _hybrid_plan(model, fwd, checkpoints, budget, options: Options, or_lowest: bool = False) -> Plan:
     """``swap="auto"``: keep / swap / recompute chosen together (memsaving.planners.hybrid)."""
     if budget is None:
         raise ValueError("swap='auto' chooses between recomputing and swapping under a memory budget: "
                          "pass budget= as well (e.g. budget='2GiB'), or use swap=True")
     budget_bytes = parse_bytes(budget)
     pool, cut_bytes = _candidate_pool(checkpoints, fwd, model)
-    cost = _cost_model(kwargs)
+    cost = options.cost_model()
+    keep_x = options.planner.keep_x_gradients
     result = plan_hybrid(model, pool, budget_bytes, cost=cost, keep_x_gradients=keep_x, cut_bytes=cut_bytes,
                          or_lowest=or_lowest)
     return make_plan(model, result.best.checkpoint_ops, "hybrid", budget=budget_bytes, keep_x_gradients=keep_x,
@@ -441,21 +407,6 @@ def check_checkpoints_argument(checkpoints) -> None:
         ) from None
 
 
-def _batch_size(value) -> int:
-    """The ``batch_size`` argument as a positive int (default 1).
-
-    It sizes unknown dimensions when predicting memory; a string or a
-    fraction there is a mistake to report, not a number to coerce."""
-    if value is None:
-        return 1
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(
-            f"batch_size={value!r} is not supported: give a positive int, the size memsaving gives to unknown "
-            "dimensions (usually the batch) when predicting memory; omit it for 1"
-        )
-    return int(value)
-
-
 def _profile_mode(profile, checkpoints, budget) -> str:
     """How kernel temporaries are profiled (:mod:`memsaving.tf.profiles`).
 
@@ -466,41 +417,36 @@ def _profile_mode(profile, checkpoints, budget) -> str:
     if profile is None:
         predicted = budget is not None or (isinstance(checkpoints, str) and checkpoints == "memory")
         return "measure" if predicted else "cached"
-    if isinstance(profile, (bool, np.bool_)):
-        return "measure" if profile else "off"
-    raise ValueError(f"profile={profile!r} is not supported: use profile=True (measure kernel temporaries), "
-                     "profile=False (do not count them) or leave it out")
+    return "measure" if profile else "off"
 
 
-def _plan(ys, xs, checkpoints, budget, kwargs, seeded_with_ones: bool = True) -> tuple:
+def _plan(ys, xs, checkpoints, budget, options: Options, seeded_with_ones: bool = True) -> tuple:
     """Forward graph and plan shared by ``gradients`` and ``plan``
     (``seeded_with_ones``: no ``grad_ys`` were given)."""
     check_checkpoints_argument(checkpoints)
-    stop_gradients = _as_list(kwargs.get("stop_gradients") or [])
-    fwd = forward_graph(xs, ys, stop_gradients)
-    batch_size = _batch_size(kwargs.get("batch_size"))
+    fwd = forward_graph(xs, ys, list(options.gradient.stop_gradients))
+    batch_size = options.planner.batch_size
     # Under memsaving.fit_to_budget or a Keras calibration, plan for the budget minus the measured excess.
     planned_for = _calibration.planning_budget(budget)
-    profile = _profile_mode(kwargs.get("profile"), checkpoints, budget)
+    profile = _profile_mode(options.planner.profile, checkpoints, budget)
     model = graph_model(fwd, batch_size=batch_size, profile=profile, seeded_with_ones=seeded_with_ones,
                         in_use_bytes=bytes_in_use())
-    fwd, plan_ = _plan_for_model(fwd, model, checkpoints, planned_for, kwargs, _calibration.planning_or_lowest())
+    fwd, plan_ = _plan_for_model(fwd, model, checkpoints, planned_for, options, _calibration.planning_or_lowest())
     if planned_for is not budget:
         plan_.budget = parse_bytes(budget)  # the budget asked for; the predicted peak fits the lower one
     plan_.batch_size = batch_size
-    plan_.batch_source = "batch_size=" if kwargs.get("batch_size") is not None else ""
+    plan_.batch_source = "batch_size=" if options.planner.batch_size_given else ""
     return fwd, plan_
 
 
-def _plan_for_model(fwd, model, checkpoints, budget, kwargs, or_lowest: bool = False) -> tuple:
+def _plan_for_model(fwd, model, checkpoints, budget, options: Options, or_lowest: bool = False) -> tuple:
     """The plan for ``model`` (the sized graph model of ``fwd``); with ``or_lowest``, a budget
     nothing fits gets the lowest plan found instead of a BudgetError."""
-    keep_x = bool(kwargs.get("keep_x_gradients", False))
-    swap = kwargs.get("swap")
-    if swap is not None and swap is not False:
-        _swap_options(kwargs)  # bad options fail before any planning
+    keep_x = options.planner.keep_x_gradients
+    swap = options.swap.swap
+    if options.swap.on:
         if swap == "auto":
-            return fwd, _hybrid_plan(model, fwd, checkpoints, budget, kwargs, keep_x, or_lowest)
+            return fwd, _hybrid_plan(model, fwd, checkpoints, budget, options, or_lowest)
         if isinstance(swap, str):
             _swapped(swap, fwd, model, [])
     if budget is None:
@@ -508,7 +454,7 @@ def _plan_for_model(fwd, model, checkpoints, budget, kwargs, or_lowest: bool = F
         mode = checkpoints if isinstance(checkpoints, str) else "list"
         swapped = _swapped(swap, fwd, model, chosen)
         return fwd, make_plan(model, chosen, mode, keep_x_gradients=keep_x, swapped=swapped,
-                              cost=_cost_model(kwargs) if swapped else None)
+                              cost=options.cost_model() if swapped else None)
     budget_bytes = parse_bytes(budget)
     pool, cut_bytes = _candidate_pool(checkpoints, fwd, model)
     if not pool:
@@ -521,7 +467,7 @@ def _plan_for_model(fwd, model, checkpoints, budget, kwargs, or_lowest: bool = F
     swapped = _swapped(swap, fwd, model, chosen.checkpoint_ops, chosen.inner)
     return fwd, make_plan(model, chosen.checkpoint_ops, "budget", budget=budget_bytes,
                           keep_x_gradients=keep_x, inner=chosen.inner, swapped=swapped,
-                          cost=_cost_model(kwargs) if swapped else None)
+                          cost=options.cost_model() if swapped else None)
 
 
 @_do_not_convert
@@ -576,7 +522,7 @@ def plan(
 
       ``chosen.explain()`` prints the backward units and the predictions.
     """
-    unknown = sorted(set(swap_kwargs) - set(_SWAP_KEYS))
+    unknown = sorted(set(swap_kwargs) - set(SWAP_KEYS))
     if unknown:
         raise TypeError(f"memsaving.plan got unexpected keyword argument(s) {unknown}")
     if tf.executing_eagerly():
@@ -584,10 +530,11 @@ def plan(
     ys, xs = _as_list(ys), _as_list(xs)
     _check_tensors(ys, "ys")
     _check_tensors(xs, "xs")
+    options = parse_options({"stop_gradients": stop_gradients, "batch_size": batch_size,
+                             "keep_x_gradients": keep_x_gradients, "profile": True if profile is None else profile,
+                             **swap_kwargs})
     ys, xs = _graph_tensors(ys, xs)
-    extra = {"stop_gradients": stop_gradients, "batch_size": batch_size, "keep_x_gradients": keep_x_gradients,
-             "profile": True if profile is None else profile, **swap_kwargs}
-    return _plan(ys, xs, checkpoints, budget, extra)[1]
+    return _plan(ys, xs, checkpoints, budget, options)[1]
 
 
 def gradients_speed(ys, xs, grad_ys=None, **kwargs) -> list:

@@ -39,8 +39,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import tensorflow as tf
 
 from memsaving.tf.checkpoints import Checkpoints
+from memsaving.options import ACCEPTED_KEYWORDS
 from memsaving.api import (
-    ACCEPTED_KEYWORDS,
     ORIGINAL_TF_COMPAT_V1_GRADIENTS,
     ORIGINAL_TF_GRADIENTS,
     check_checkpoints_argument,

@@ -51,6 +51,7 @@ SUBPACKAGES: Dict[str, str] = {
 TOP_LEVEL: Dict[str, str] = {
     "memsaving": "api",  # the package's __init__: what users import
     "memsaving.api": "api",
+    "memsaving.options": "api",
     "memsaving.fit_budget": "api",
     "memsaving.patching": "api",
     "memsaving.keras": "api",

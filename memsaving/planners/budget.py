@@ -18,13 +18,14 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from memsaving.errors import BudgetError, feasible_budget
 from memsaving.planners.chain import Chain, as_cuts as _as_cuts, chain as _chain, ops_of as _ops_of
 from memsaving.model.graph import GraphModel
+from memsaving.model.proposal import Proposal
 from memsaving.planners.nested import nested_plan, thinned_chain
 from memsaving.planners.refine import refined_plans
 from memsaving.model.schedule import kept_set, validate_inner
@@ -347,18 +348,6 @@ def minimum_peak(model: GraphModel, candidates: Sequence, keep_x_gradients: bool
     return min(peaks)
 
 
-@dataclass
-class BudgetPlan:
-    """The plan chosen for a budget: level-1 checkpoints, inner checkpoints
-    (multi-level plans; empty for single-level ones) and its simulated peak
-    and recomputation."""
-
-    checkpoint_ops: List[int]
-    inner: Dict[int, Tuple[int, ...]]
-    peak: int
-    recompute_cost: float
-
-
 def plan_for_budget(
     model: GraphModel,
     candidates: Sequence[Union[int, Sequence[int]]],
@@ -369,7 +358,7 @@ def plan_for_budget(
     multilevel: bool = True,
     per_op: bool = True,
     or_lowest: bool = False,
-) -> BudgetPlan:
+) -> Proposal:
     """The least-recomputation plan whose simulated peak fits ``budget``.
 
     Single-level plans come from :func:`select_for_budget`'s search;
@@ -391,45 +380,46 @@ def plan_for_budget(
         the smallest budget found feasible.
     """
     found = _search(model, candidates, budget, keep_x_gradients, 8, max_evaluations, cut_bytes, 500)
-    options = []
+    proposals = []
     floor = None
     if found.best is not None:
         cost, peak = found.evaluated[found.best]
-        options.append(BudgetPlan(_ops_of(found.cuts, found.best), {}, peak, cost))
+        proposals.append(Proposal(_ops_of(found.cuts, found.best), peak, cost, name="single-level"))
     if per_op:
         starts = [_ops_of(found.cuts, found.best)] if found.best is not None else []
         for ops, sim in refined_plans(model, starts, budget, keep_x_gradients, max_evaluations):
-            options.append(BudgetPlan(ops, {}, sim.peak_bytes, sim.recompute_cost))
+            proposals.append(Proposal(ops, sim.peak_bytes, sim.recompute_cost, name="per-op"))
     if multilevel:
-        for proposal, sim in _nested_search(model, candidates, budget, keep_x_gradients):
+        for nested, sim in _nested_search(model, candidates, budget, keep_x_gradients):
             floor = sim.peak_bytes if floor is None else min(floor, sim.peak_bytes)
             if sim.peak_bytes <= budget:
-                options.append(BudgetPlan(proposal.checkpoint_ops, proposal.inner, sim.peak_bytes,
-                                          sim.recompute_cost))
-    if options:
-        return min(options, key=lambda option: (option.recompute_cost, option.peak))
+                proposals.append(Proposal(nested.checkpoint_ops, sim.peak_bytes, sim.recompute_cost,
+                                          inner=nested.inner, name="multi-level"))
+    if proposals:
+        return min(proposals, key=lambda proposal: (proposal.recompute_cost, proposal.peak))
     lowest = _lowest_plan(model, candidates, keep_x_gradients, cut_bytes, multilevel)
     if lowest.peak <= budget or or_lowest:
         return lowest
     _raise_infeasible(model, budget, lowest.peak)
 
 
-def _lowest_plan(model: GraphModel, candidates, keep_x_gradients: bool, cut_bytes, multilevel: bool) -> BudgetPlan:
+def _lowest_plan(model: GraphModel, candidates, keep_x_gradients: bool, cut_bytes, multilevel: bool) -> Proposal:
     """The lowest-peak plan found by searches that do not depend on the
     budget asked for: the floor the BudgetError message reports, which
     therefore fits when passed back as the budget."""
     ops, _ = lowest_peak_plan(model, candidates, keep_x_gradients, cut_bytes)
     sim = simulate(model, ops, keep_x_gradients=keep_x_gradients)
-    best = BudgetPlan(ops, {}, sim.peak_bytes, sim.recompute_cost)
+    best = Proposal(ops, sim.peak_bytes, sim.recompute_cost, name="lowest")
     if not multilevel:
         return best
     resident = model.resident_bytes
     activations = simulate(model, keep_x_gradients=keep_x_gradients).peak_bytes - resident
     for fraction in (0.3, 0.15, 0.08, 0.04):
         target = resident + int(fraction * activations)
-        for proposal, sim in _nested_search(model, candidates, target, keep_x_gradients, rounds=5):
+        for nested, sim in _nested_search(model, candidates, target, keep_x_gradients, rounds=5):
             if (sim.peak_bytes, sim.recompute_cost) < (best.peak, best.recompute_cost):
-                best = BudgetPlan(proposal.checkpoint_ops, proposal.inner, sim.peak_bytes, sim.recompute_cost)
+                best = Proposal(nested.checkpoint_ops, sim.peak_bytes, sim.recompute_cost, inner=nested.inner,
+                                name="lowest")
     return best
 
 

@@ -21,29 +21,15 @@ them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 from memsaving.planners.budget import format_bytes, lowest_peak_plan, plan_for_budget
 from memsaving.errors import BudgetError, feasible_budget
 from memsaving.model.graph import GraphModel
+from memsaving.model.proposal import Proposal
 from memsaving.model.schedule import UnitKind, backward_units, kept_set
 from memsaving.sim.simulate import simulate
 from memsaving.sim.swap import CostModel, swap_candidates
-
-
-@dataclass
-class ScoredPlan:
-    """A plan and what the simulator predicts for it."""
-
-    name: str
-    checkpoint_ops: List[int]
-    swapped: List[int]
-    peak: int
-    seconds: float
-    recompute_cost: float
-
-    def fits(self, budget: int) -> bool:
-        return self.peak <= budget
 
 
 @dataclass
@@ -51,22 +37,22 @@ class HybridResult:
     """The chosen plan and the pure plans it was compared with (None when a
     pure plan does not fit)."""
 
-    best: ScoredPlan
-    recompute_only: Optional[ScoredPlan]
-    swap_only: Optional[ScoredPlan]
+    best: Proposal
+    recompute_only: Optional[Proposal]
+    swap_only: Optional[Proposal]
     visited: int
 
 
 def _score(model: GraphModel, name: str, ops: Sequence[int], swapped: Sequence[int], cost: CostModel,
-           keep_x_gradients: bool) -> ScoredPlan:
+           keep_x_gradients: bool) -> Proposal:
     # every plan is scored (and emitted) with kept ops whose inputs are kept
     # differentiated in place, so plans compare on the same terms
     sim = simulate(model, ops, keep_x_gradients=keep_x_gradients, swapped=swapped, cost=cost, inplace=True)
-    return ScoredPlan(name, sorted(set(ops)), sorted(set(swapped)), sim.peak_bytes, sim.step_seconds,
-                      sim.recompute_cost)
+    return Proposal(sorted(set(ops)), sim.peak_bytes, sim.recompute_cost, swapped=sorted(set(swapped)),
+                    seconds=sim.step_seconds, name=name)
 
 
-def _move_score(plan: ScoredPlan, budget: int) -> tuple:
+def _move_score(plan: Proposal, budget: int) -> tuple:
     """Plans that fit compare by time, others by peak (any fitting plan first)."""
     return (0, plan.seconds, plan.peak) if plan.fits(budget) else (1, plan.peak, plan.seconds)
 
@@ -146,7 +132,7 @@ def plan_hybrid(
         pool = [lowest]
     best = min(pool, key=lambda p: (p.seconds, p.peak))
     if best.name != "hybrid":
-        best = ScoredPlan("hybrid", best.checkpoint_ops, best.swapped, best.peak, best.seconds, best.recompute_cost)
+        best = best.renamed("hybrid")
     fitting = [p for p in (recompute_only, swap_only) if p is not None and p.fits(budget)]
     return HybridResult(best, recompute_only if recompute_only in fitting else None,
                         swap_only if swap_only in fitting else None, len(visited))

@@ -26,6 +26,7 @@ from memsaving.model.buffers import Action, consumed_at_once, donations
 from memsaving.model.graph import GraphModel
 from memsaving.model.parameters import parameter_ops
 from memsaving.model.schedule import backward_units
+from memsaving.model.swapping import SWAP_IN_LEAD, SWAP_OUT_SLACK
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,9 @@ class CostModel:
 
     flops_per_second: float = 10e12
     bandwidth: float = 16e9
-    lb: int = 3
+    lb: int = SWAP_IN_LEAD
     fuse_distance: int = 50
-    out_slack: int = 1
+    out_slack: int = SWAP_OUT_SLACK
 
 
 def swappable(model: GraphModel, actions: Sequence, forward_end: int) -> List[int]:

@@ -34,6 +34,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.util import object_identity
 
+from memsaving.model.swapping import SWAP_IN_LATEST, SWAP_IN_LEAD, SWAP_OUT_SLACK
+
 
 @dataclass(frozen=True)
 class SwapOptions:
@@ -41,11 +43,11 @@ class SwapOptions:
 
     device: str = "/CPU:0"
     trigger: str = "direct"
-    lb: int = 3
-    ub: int = 30
+    lb: int = SWAP_IN_LEAD
+    ub: int = SWAP_IN_LATEST
     fuse: bool = True
     fuse_levels: int = 5
-    out_slack: int = 1
+    out_slack: int = SWAP_OUT_SLACK
 
     def __post_init__(self):
         if self.trigger not in ("direct", "chain"):

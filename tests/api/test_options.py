@@ -1,0 +1,93 @@
+"""The keywords of memsaving.gradients and memsaving.plan, parsed once (memsaving.options)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsaving
+from memsaving.options import ACCEPTED_KEYWORDS, parse_options
+from memsaving.sim.swap import CostModel
+from memsaving.tf.swap_rewrite import SwapOptions
+
+
+def test_defaults_come_from_what_the_options_configure():
+    options = parse_options({"swap": True})
+    assert options.swap.emit == SwapOptions()
+    assert options.cost_model() == CostModel()
+    assert options.planner.batch_size == 1 and not options.planner.batch_size_given
+    assert options.gradient.name == "memsaving_gradients"
+    assert options.gradient.unconnected_gradients == tf.UnconnectedGradients.NONE
+    assert options.gradient.follow_order is None and options.planner.profile is None
+
+
+def test_swap_keywords_reach_both_the_emitter_and_the_simulator():
+    options = parse_options({"swap": "auto", "swap_lb": 2, "swap_ub": 9, "swap_fuse": False,
+                             "swap_trigger": "chain", "swap_device": "/CPU:1",
+                             "bandwidth": 1e9, "flops_per_second": 2e12})
+    assert options.swap.emit == SwapOptions(device="/CPU:1", trigger="chain", lb=2, ub=9, fuse=False)
+    cost = options.cost_model()
+    assert (cost.lb, cost.bandwidth, cost.flops_per_second) == (2, 1e9, 2e12)
+
+
+def test_swap_options_are_read_only_when_swapping():
+    """As before the options were parsed once: without swap=, swap keywords are not checked."""
+    options = parse_options({"swap_lb": "soon"})
+    assert not options.swap.on and options.swap.emit is None
+    with pytest.raises(ValueError, match="swap_lb must be an int"):
+        parse_options({"swap": True, "swap_lb": "soon"})
+    with pytest.raises(ValueError, match="0 <= lb <= ub"):
+        parse_options({"swap": True, "swap_lb": 5, "swap_ub": 2})
+
+
+@pytest.mark.parametrize("keywords, error, message", [
+    ({"batch_size": 0}, ValueError, "batch_size=0 is not supported"),
+    ({"batch_size": 2.5}, ValueError, "batch_size=2.5 is not supported"),
+    ({"profile": "yes"}, ValueError, "profile='yes' is not supported"),
+    ({"follow_order": "yes"}, TypeError, "follow_order='yes'"),
+    ({"unconnected_gradients": "maybe"}, ValueError, "maybe"),
+])
+def test_bad_values_say_what_to_pass(keywords, error, message):
+    with pytest.raises(error, match=message):
+        parse_options(keywords)
+
+
+def test_tf_gradients_keywords_pass_through():
+    options = parse_options({"gate_gradients": True, "colocate_gradients_with_ops": True, "name": "g",
+                             "unconnected_gradients": "zero", "follow_order": np.bool_(False)})
+    assert options.gradient.passed == {"gate_gradients": True, "colocate_gradients_with_ops": True}
+    assert options.gradient.colocated and options.gradient.name == "g"
+    assert options.gradient.unconnected_gradients == tf.UnconnectedGradients.ZERO
+    assert options.gradient.follow_order is False
+
+
+def test_every_accepted_keyword_is_parsed():
+    """A keyword memsaving.gradients accepts but the parser ignores would be silently dropped."""
+    parsed_fields = {"name", "unconnected_gradients", "stop_gradients", "follow_order", "batch_size", "profile",
+                     "swap", "swap_device", "swap_trigger", "swap_lb", "swap_ub", "swap_fuse", "swap_backend",
+                     "bandwidth", "flops_per_second", "gate_gradients", "aggregation_method",
+                     "colocate_gradients_with_ops"}
+    assert ACCEPTED_KEYWORDS == parsed_fields
+
+
+def test_one_stop_gradient_tensor_as_tf_gradients_takes_it():
+    w = [tf.Variable(tf.fill([4, 4], 0.1 * (i + 1))) for i in range(4)]
+
+    @tf.function
+    def both(x):
+        h = x
+        hidden = []
+        for v in w:
+            h = tf.tanh(tf.matmul(h, v))
+            hidden.append(h)
+        loss = tf.reduce_sum(h)
+        stop = hidden[1]
+        return (tf.gradients(loss, w, stop_gradients=stop),
+                memsaving.gradients(loss, w, checkpoints="memory", stop_gradients=stop))
+
+    plain, ours = both(tf.ones([2, 4]))
+    for p, o in zip(plain, ours):
+        if p is None:
+            assert o is None
+        else:
+            np.testing.assert_allclose(p.numpy(), o.numpy(), rtol=1e-5)
+    assert plain[0] is None  # the stop cuts the first layers off
