@@ -114,6 +114,36 @@ def assert_close(plain, ours, rtol=1e-5):
         assert err <= rtol, f"gradient {i}: relative error {err:.3g} > {rtol}"
 
 
+MODE_KWARGS = [dict(checkpoints="memory"), dict(checkpoints="speed"), dict(checkpoints=[])]
+"""memsaving.gradients keywords for memory mode, speed mode and no checkpoints."""
+
+
+def mlp_weights(n, width=16, dtype=tf.float32, seed=0) -> list:
+    """``n`` square ``width`` x ``width`` weight variables scaled by 1/sqrt(width)."""
+    rng = np.random.RandomState(seed)
+    return [tf.Variable((rng.randn(width, width) / np.sqrt(width)).astype(dtype.as_numpy_dtype)) for _ in range(n)]
+
+
+def tanh_mlp(x, ws):
+    """``x`` through ``tanh(h @ w)`` for each ``w`` of ``ws``."""
+    h = x
+    for w in ws:
+        h = tf.tanh(tf.matmul(h, w))
+    return h
+
+
+def compare_gradients(loss_fn, ws, x, rtol=1e-5, **kwargs):
+    """tf.gradients and ``memsaving.gradients(..., **kwargs)`` of ``loss_fn(x)``
+    in one tf.function, compared with ``assert_close``."""
+    @tf.function
+    def both(x):
+        loss = loss_fn(x)
+        return tf.gradients(loss, ws), memsaving.gradients(loss, ws, **kwargs)
+
+    plain, ours = both(x)
+    assert_close([p.numpy() for p in plain], [o.numpy() for o in ours], rtol=rtol)
+
+
 def assert_gradients_equal(plain, ours, labels, context=""):
     """tf.gradients' results (``plain``, numpy-convertible or None) against
     memsaving's: None exactly where tf.gradients gives None, values within

@@ -1,4 +1,5 @@
-"""Special cases of the rewrite: stateful calls, nested functions, devices, Keras."""
+"""Special cases of the rewrite: stateful calls, nested functions, unconnected or
+captured xs, devices, Keras."""
 
 import re
 
@@ -7,7 +8,14 @@ import pytest
 import tensorflow as tf
 
 import memsaving
-from helpers import assert_close
+from helpers import assert_close, mlp_weights, tanh_mlp
+
+W = [tf.Variable(tf.ones([4, 4]) * 0.1) for _ in range(3)]
+
+
+def _loss(x):
+    h = tanh_mlp(x, W)
+    return tf.reduce_sum(h * h)
 
 
 def _compare(fn_builder, checkpoints_from="cps"):
@@ -182,6 +190,63 @@ def test_unconnected_gradients_none_and_zero():
 
     zero = step(tf.ones([2, 3]))
     np.testing.assert_array_equal(zero[1].numpy(), np.zeros(2))
+
+
+def test_xs_not_reachable_give_none_and_zeros_like_tf_gradients():
+    @tf.function
+    def step(x):
+        loss = _loss(x)
+        unrelated = tf.ones([3]) * 2.0
+        return (memsaving.gradients(loss, [unrelated, W[0]], checkpoints="memory"),
+                memsaving.gradients(loss, [unrelated], checkpoints="memory", unconnected_gradients="zero"))
+
+    some, zero = step(tf.ones([2, 4]))
+    assert some[0] is None and some[1] is not None
+    np.testing.assert_array_equal(zero[0].numpy(), np.zeros(3))
+
+
+def test_xs_that_ys_do_not_depend_on_get_none_like_tf_gradients():
+    ws = mlp_weights(3)
+
+    @tf.function
+    def step(x):
+        loss = tf.reduce_sum(tf.tanh(tf.matmul(x, ws[0])))
+        return tf.gradients(loss, ws), memsaving.gradients(loss, ws, checkpoints="memory")
+
+    plain, ours = step(tf.ones([4, 16]))
+    assert [g is None for g in plain] == [g is None for g in ours] == [False, True, True]
+
+
+def test_xs_captured_from_an_outer_function_get_their_gradient():
+    """A nested tf.function closing over a tensor of the outer function:
+    tf.gradients follows the capture; memsaving used to return None."""
+    @tf.function
+    def outer(x):
+        h = tf.tanh(x * 2.0)
+
+        @tf.function
+        def inner():
+            loss = _loss(h)
+            return tf.gradients(loss, [h] + W), memsaving.gradients(loss, [h] + W, checkpoints="memory")
+
+        return inner()
+
+    plain, ours = outer(tf.ones([2, 4]))
+    for p, o in zip(plain, ours):
+        assert o is not None
+        np.testing.assert_allclose(o.numpy(), p.numpy(), rtol=1e-6)
+
+
+def test_memory_mode_never_fails_on_a_tiny_graph():
+    a = tf.Variable(tf.ones([4, 4]))
+
+    @tf.function
+    def step(x):
+        loss = tf.reduce_sum(tf.matmul(x, a))
+        return tf.gradients(loss, [a])[0], memsaving.gradients(loss, [a], checkpoints="memory")[0]
+
+    plain, ours = step(tf.ones([2, 4]))
+    assert (plain.numpy() == ours.numpy()).all()
 
 
 def test_collection_marking_and_shorthands():

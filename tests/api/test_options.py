@@ -39,18 +39,6 @@ def test_swap_options_are_read_only_when_swapping():
         parse_options({"swap": True, "swap_lb": 5, "swap_ub": 2})
 
 
-@pytest.mark.parametrize("keywords, error, message", [
-    ({"batch_size": 0}, ValueError, "batch_size=0 is not supported"),
-    ({"batch_size": 2.5}, ValueError, "batch_size=2.5 is not supported"),
-    ({"profile": "yes"}, ValueError, "profile='yes' is not supported"),
-    ({"follow_order": "yes"}, TypeError, "follow_order='yes'"),
-    ({"unconnected_gradients": "maybe"}, ValueError, "maybe"),
-])
-def test_bad_values_say_what_to_pass(keywords, error, message):
-    with pytest.raises(error, match=message):
-        parse_options(keywords)
-
-
 def test_tf_gradients_keywords_pass_through():
     options = parse_options({"gate_gradients": True, "colocate_gradients_with_ops": True, "name": "g",
                              "unconnected_gradients": "zero", "follow_order": np.bool_(False)})

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import memsaving
-from helpers import assert_close
+from helpers import assert_close, mlp_weights
 
 BATCH, WIDTH = 512, 128
 
@@ -199,3 +199,30 @@ def test_memory_the_device_holds_counts_as_resident():
     # the step's own inputs and weights are already allocated, so nothing is counted twice: the
     # held tensor adds its 4 MiB (and whatever else the process allocated in between)
     assert after >= max(own, before - 64 * 1024) + 4 * 2 ** 20, (own, before, after)
+
+
+def test_the_plan_names_ops_it_never_recomputes():
+    """A stateful call between xs and ys (it updates a counter and draws
+    random numbers) is kept whole, and the plan says so."""
+    ws = mlp_weights(4)
+    counter = tf.Variable(0.0)
+    captured = {}
+
+    @tf.function
+    def side_effect(h):
+        counter.assign_add(1.0)
+        return h * 2.0 + tf.random.uniform(tf.shape(h), seed=3)
+
+    @tf.function
+    def step(x):
+        h = tf.tanh(tf.matmul(x, ws[0]))
+        h = side_effect(tf.tanh(tf.matmul(h, ws[1])))
+        h = tf.tanh(tf.matmul(tf.tanh(tf.matmul(h, ws[2])), ws[3]))
+        loss = tf.reduce_sum(h)
+        captured["plan"] = memsaving.plan(loss, ws, checkpoints="memory")
+        return memsaving.gradients(loss, ws, checkpoints="memory")
+
+    step(tf.ones([8, 16]))
+    plan = captured["plan"]
+    assert [name for name in plan.never_recomputed if "StatefulPartitionedCall" in name], plan.never_recomputed
+    assert "kept, never recomputed (stateful or random ops)" in plan.table()

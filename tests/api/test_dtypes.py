@@ -1,17 +1,20 @@
-"""Dtypes in the forward pass: float16 / bfloat16 / float64,
-integer and bool tensors, casts, Keras mixed precision through
-memsaving.keras.enable, and tensor sizes of the graph model by real dtype."""
+"""Dtypes in the forward pass: float16 / bfloat16 / float64, integer and
+bool tensors, casts, Keras mixed precision (through memsaving.gradients and
+memsaving.keras.enable), and tensor sizes by real dtype."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import memsaving
+from helpers import MODE_KWARGS as MODES, compare_gradients, mlp_weights
 from memsaving.tf.extract import graph_model
 from memsaving.tf.forward import forward_graph
 
 DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int32, tf.int64, tf.bool]
 
+
+# Sizes by dtype.
 
 def test_graph_model_sizes_use_the_real_dtype():
     """Every tensor of the neutral model is elements * itemsize of its dtype."""
@@ -62,6 +65,52 @@ def test_plain_peak_scales_with_itemsize(dtype):
     assert peaks[dtype] == pytest.approx(peaks[tf.float32] * dtype.size / 4, rel=0.01)
 
 
+def test_simulated_sizes_use_the_real_dtype():
+    """The same net in float16 is predicted at half the float32 activation bytes."""
+    predicted = {}
+    for dtype in (tf.float32, tf.float16):
+        ws = [tf.Variable(tf.cast(w, dtype)) for w in mlp_weights(6)]
+
+        @tf.function
+        def step(x):
+            h = x
+            for w in ws:
+                h = tf.tanh(tf.matmul(h, w))
+            loss = tf.cast(tf.reduce_sum(h), tf.float32)
+            plan = memsaving.plan(loss, ws, checkpoints=[], profile=False)  # the size model alone
+            predicted[dtype] = plan.plain_peak - plan.resident_bytes
+            return loss
+
+        step(tf.cast(tf.random.normal([256, 16]), dtype))
+    assert predicted[tf.float16] == pytest.approx(predicted[tf.float32] / 2, rel=0.05)
+
+
+# Float dtypes, integers and bools.
+
+@pytest.mark.parametrize("dtype, rtol", [(tf.float64, 1e-10), (tf.float16, 2e-2), (tf.bfloat16, 5e-2)])
+def test_other_float_dtypes(dtype, rtol):
+    ws = mlp_weights(6, dtype=tf.float32)
+    cast = [tf.Variable(tf.cast(w, dtype)) for w in ws]
+
+    def loss_fn(x):
+        h = x
+        for w in cast:
+            h = tf.tanh(tf.matmul(h, w))
+        return tf.reduce_sum(tf.cast(h, tf.float32) ** 2)
+
+    x = tf.cast(tf.random.normal([16, 16], seed=3), dtype)
+
+    @tf.function
+    def both(x):
+        loss = loss_fn(x)
+        return tf.gradients(loss, cast), memsaving.gradients(loss, cast, checkpoints="memory")
+
+    plain, ours = both(x)
+    for p, o in zip(plain, ours):
+        np.testing.assert_allclose(tf.cast(o, tf.float64).numpy(), tf.cast(p, tf.float64).numpy(),
+                                   rtol=rtol, atol=rtol)
+
+
 @pytest.mark.parametrize("dtype, rtol", [(tf.float64, 1e-12), (tf.float16, 1e-3), (tf.bfloat16, 1e-2)])
 @pytest.mark.parametrize("mode", ["memory", "speed", "budget"])
 def test_float_dtypes_with_casts_between_segments(dtype, rtol, mode):
@@ -94,6 +143,24 @@ def test_float_dtypes_with_casts_between_segments(dtype, rtol, mode):
         assert o.dtype == p.dtype == dtype
         p64, o64 = tf.cast(p, tf.float64).numpy(), tf.cast(o, tf.float64).numpy()
         np.testing.assert_allclose(o64, p64, rtol=rtol, atol=rtol * np.abs(p64).max())
+
+
+def test_integer_and_bool_tensors_and_casts():
+    ws = mlp_weights(4)
+
+    def loss_fn(x):
+        h = tf.tanh(tf.matmul(x, ws[0]))
+        mask = h > 0  # bool
+        count = tf.reduce_sum(tf.cast(mask, tf.int32), axis=1, keepdims=True)  # int
+        h = tf.where(mask, h, -h) * tf.cast(count, tf.float32)
+        h = tf.tanh(tf.matmul(h, ws[1]))
+        idx = tf.argmax(h, axis=1)  # int64
+        h = h + tf.cast(tf.one_hot(idx, 16), tf.float32)
+        h = tf.tanh(tf.matmul(h, ws[2]))
+        return tf.reduce_sum(tf.matmul(h, ws[3]) ** 2)
+
+    for kwargs in MODES:
+        compare_gradients(loss_fn, ws, tf.random.normal([16, 16], seed=6), **kwargs)
 
 
 def test_integer_and_bool_tensors_in_recomputed_segments():
@@ -135,6 +202,8 @@ def test_integer_and_bool_tensors_in_recomputed_segments():
         bad.get_concrete_function(tf.TensorSpec([6, 10]))
 
 
+# Keras mixed precision.
+
 def _keras_model(policy, seed=3, conv=True):
     import keras
 
@@ -160,6 +229,33 @@ def _keras_model(policy, seed=3, conv=True):
     finally:
         keras.mixed_precision.set_global_policy("float32")
     return model
+
+
+@pytest.mark.parametrize("policy, tolerance", [("mixed_float16", 1e-2), ("mixed_bfloat16", 5e-2)])
+def test_keras_mixed_precision_policies(policy, tolerance):
+    import keras
+
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        keras.utils.set_random_seed(4)
+        inp = keras.Input((16,))
+        h = inp
+        for _ in range(6):
+            h = keras.layers.Dense(32, activation="relu")(h)
+        out = keras.layers.Dense(1, dtype="float32")(h)
+        model = keras.Model(inp, out)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+    @tf.function
+    def both(x):
+        loss = tf.reduce_mean(tf.square(model(x, training=True)))
+        ws = model.trainable_variables
+        return tf.gradients(loss, ws), memsaving.gradients(loss, ws, checkpoints="memory")
+
+    plain, ours = both(tf.random.normal([8, 16], seed=5))
+    for p, o in zip(plain, ours):
+        np.testing.assert_allclose(o.numpy(), p.numpy(), rtol=tolerance, atol=tolerance / 10)
 
 
 @pytest.mark.parametrize("policy, rtol, conv", [

@@ -1,27 +1,23 @@
-"""Control flow inside the forward pass.
+"""Control flow in the forward pass: tf.cond, tf.while_loop and Keras RNN
+layers (control flow v2).
 
-Functional control flow (tf.cond -> If/StatelessIf, tf.while_loop ->
-While/StatelessWhile, Keras RNN layers with unroll=False) is supported: each
-such op is one opaque op of the outer graph, kept whole from the forward pass
-(never copied, never cut inside; it is listed in ``plan.never_recomputed``)
-and differentiated with TensorFlow's own gradient.  TF1 dataflow control
-flow (Switch/Merge/Enter) is refused with UnsupportedGraphError (tested in
-test_robustness.py).
+Each If / While op is one op of the outer graph, kept whole (never copied,
+never cut inside; listed in ``plan.never_recomputed``) and differentiated
+with TensorFlow's own gradient.
 """
+
+from functools import partial
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import memsaving
-from helpers import smallest_budget
+from helpers import MODE_KWARGS as MODES, compare_gradients, mlp_weights, smallest_budget
 
 CONTROL_FLOW = ("If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase")
 
-
-def _weights(n, width=12, seed=0):
-    rng = np.random.RandomState(seed)
-    return [tf.Variable((rng.randn(width, width) / np.sqrt(width)).astype(np.float32)) for _ in range(n)]
+_weights = partial(mlp_weights, width=12)
 
 
 def _assert_never_cut_inside(plan, graph):
@@ -53,6 +49,59 @@ def _forward(ws, x):
     h = tf.cond(tf.reduce_sum(x) > 1e9, lambda: h, lambda: h * tf.random.uniform(tf.shape(h), 0.5, 1.5, seed=3))
     h = tf.tanh(tf.matmul(h, ws[4]))
     return tf.reduce_sum(tf.tanh(tf.matmul(h, ws[5])) ** 2), h
+
+
+@pytest.mark.parametrize("kwargs", MODES + [dict(budget="fraction")], ids=lambda k: str(list(k.values())[0]))
+def test_cond_and_while_loop_in_the_forward_pass(kwargs):
+    ws = mlp_weights(8)
+
+    def loss_fn(x):
+        h = x
+        for i, w in enumerate(ws):
+            h = tf.tanh(tf.matmul(h, w))
+            if i == 2:
+                h = tf.cond(tf.reduce_sum(h) > 0, lambda: h * 2.0, lambda: tf.sin(h))
+            if i == 5:
+                h = tf.while_loop(lambda k, v: k < 3, lambda k, v: (k + 1, tf.tanh(v) + 0.1 * v), (0, h))[1]
+        return tf.reduce_sum(h * h)
+
+    x = tf.random.normal([32, 16], seed=1)
+    if "budget" in kwargs:
+        @tf.function
+        def budget_of(x):
+            base = memsaving.plan(loss_fn(x), ws, checkpoints=[])
+            return base.resident_bytes + int(0.7 * (base.plain_peak - base.resident_bytes))
+        kwargs = dict(budget=int(budget_of(x)))
+        try:
+            compare_gradients(loss_fn, ws, x, **kwargs)
+        except memsaving.BudgetError as error:  # a fixed fraction may be infeasible: use the floor
+            compare_gradients(loss_fn, ws, x, budget=error.smallest_budget)
+        return
+    compare_gradients(loss_fn, ws, x, **kwargs)
+
+
+def test_control_flow_ops_are_never_cut_inside():
+    """The cond and the loop are single ops of the outer graph: a plan may
+    keep or recompute them whole, and the plan lists only outer-graph ops."""
+    ws = mlp_weights(4)
+    captured = {}
+
+    @tf.function
+    def step(x):
+        h = tf.tanh(tf.matmul(x, ws[0]))
+        h = tf.while_loop(lambda k, v: k < 4, lambda k, v: (k + 1, tf.tanh(tf.matmul(v, ws[1]))), (0, h))[1]
+        h = tf.cond(tf.reduce_sum(h) > 0, lambda: tf.matmul(h, ws[2]), lambda: h)
+        loss = tf.reduce_sum(tf.square(tf.matmul(h, ws[3])))
+        captured["plan"] = memsaving.plan(loss, ws, checkpoints="memory")
+        captured["graph"] = loss.graph
+        return memsaving.gradients(loss, ws, checkpoints="memory")
+
+    step(tf.random.normal([8, 16], seed=2))
+    ops = {op.name: op for op in captured["graph"].get_operations()}
+    planned = {name for _, anchor, names in captured["plan"].steps for name in names + (anchor,) if name}
+    assert planned <= set(ops), "every planned op is an op of the outer graph"
+    loops = [name for name in planned if ops[name].type in ("While", "StatelessWhile", "If", "StatelessIf")]
+    assert loops, "the loop and the cond are planned as single ops"
 
 
 @pytest.mark.parametrize("mode", ["memory", "speed", "list", "smallest_budget", "collection"])
@@ -109,25 +158,6 @@ def test_smallest_budget_after_tf_gradients_built_the_loop_gradient():
 class _Sink:
     def write(self, text):
         return len(text)
-
-
-def test_a_tensor_inside_a_loop_body_cannot_be_a_checkpoint():
-    """The loop body is another graph: a tensor from it is refused by name."""
-    ws = _weights(2)
-    inside = {}
-
-    @tf.function
-    def step(x):
-        def body(i, v):
-            inside["t"] = tf.tanh(tf.matmul(v, ws[0]), name="body_tanh")
-            return i + 1, inside["t"]
-
-        h = tf.while_loop(lambda i, v: i < 2, body, (0, x))[1]
-        loss = tf.reduce_sum(tf.matmul(h, ws[1]))
-        return memsaving.gradients(loss, ws, checkpoints=[inside["t"]])
-
-    with pytest.raises(memsaving.CheckpointError, match="body_tanh"):
-        step.get_concrete_function(tf.TensorSpec([4, 12]))
 
 
 def test_loop_with_a_variable_update_runs_once_per_step():
