@@ -88,7 +88,7 @@ def main(argv=None) -> None:
             budget = resident + int(fraction * (plain.peak_bytes - resident))
             start = time.perf_counter()
             try:
-                ops, _ = select_for_budget(model, pool, budget, cut_bytes=[b for _, b in cuts])
+                ops = select_for_budget(model, pool, budget, cut_bytes=[b for _, b in cuts]).checkpoint_ops
                 ours = f"{simulate(model, ops).compute_ratio:.3f}"
             except BudgetError:
                 ours = "-"

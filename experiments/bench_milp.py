@@ -75,7 +75,7 @@ def _dp(model, cuts, budget):
     """The cut DP's plan: (compute ratio or None if infeasible, seconds)."""
     start = time.perf_counter()
     try:
-        ops, _ = select_for_budget(model, [c for c, _ in cuts], budget, cut_bytes=[b for _, b in cuts])
+        ops = select_for_budget(model, [c for c, _ in cuts], budget, cut_bytes=[b for _, b in cuts]).checkpoint_ops
     except BudgetError:
         return None, time.perf_counter() - start
     seconds = time.perf_counter() - start

@@ -20,7 +20,7 @@ from tensorflow.python.ops import gradients_impl as _gradients_impl
 from memsaving.candidates import cuts as candidates
 from memsaving.planners.budget import parse_bytes, plan_for_budget
 from memsaving.tf.checkpoints import Checkpoints, resolve_checkpoints
-from memsaving.planners.modes import memory_checkpoints, speed_checkpoints
+from memsaving.planners.modes import memory_proposal, speed_proposal
 from memsaving.errors import CheckpointError
 from memsaving import fit_budget as _calibration
 from memsaving.tf.extract import graph_model
@@ -101,11 +101,16 @@ def gradients(
     ``unconnected_gradients="zero"``), and ``tf.IndexedSlices`` where
     tf.gradients gives them (gathers, embedding lookups).
 
-    Args:
-      ys: tensor(s) to differentiate.
-      xs: tensor(s) or variable(s) to differentiate with respect to.
-      grad_ys: optional initial gradients for ``ys``, as in tf.gradients.
-      checkpoints: which forward tensors are kept; everything between two
+    Parameters
+    ----------
+    ys
+        tensor(s) to differentiate.
+    xs
+        tensor(s) or variable(s) to differentiate with respect to.
+    grad_ys
+        optional initial gradients for ``ys``, as in tf.gradients.
+    checkpoints
+        which forward tensors are kept; everything between two
         kept tensors is recomputed during backprop.
 
         * a list of tensors: exactly those (each must lie between xs and ys);
@@ -117,11 +122,13 @@ def gradients(
           input-to-output path crosses: single separating tensors, tree
           decomposition separators, frontiers between depth levels), spaced
           evenly by activation bytes.
-      budget: a memory budget (bytes, or a string such as ``"2GiB"``): the
+    budget
+        a memory budget (bytes, or a string such as ``"2GiB"``): the
         checkpoints that minimise recomputation while the predicted peak
         fits are chosen among the cuts (among ``checkpoints`` when a list is
         given, among MatMul/Conv outputs with ``"speed"``).
-      **kwargs: ``name``, ``gate_gradients``, ``aggregation_method``,
+    **kwargs
+        ``name``, ``gate_gradients``, ``aggregation_method``,
         ``stop_gradients``, ``unconnected_gradients`` and
         ``colocate_gradients_with_ops``, with tf.gradients' meaning; and
         ``batch_size``, the size given to unknown dimensions when predicting
@@ -142,34 +149,41 @@ def gradients(
     Stateful ops (variable reads, random ops, calls with side effects) and
     control-flow ops are never recomputed; their outputs are kept.
 
-    Raises:
-      RuntimeError: in eager mode (wrap the computation in ``tf.function``).
-      TypeError: ``ys``/``xs`` are not tensors, or an unknown keyword.
-      memsaving.CheckpointError: checkpoints not between xs and ys, or none found.
-      memsaving.BudgetError: no plan fits ``budget`` (says the smallest that does).
-      memsaving.UnsupportedGraphError: TF1-style control flow in the graph.
+    Raises
+    ------
+    RuntimeError
+        in eager mode (wrap the computation in ``tf.function``).
+    TypeError
+        ``ys``/``xs`` are not tensors, or an unknown keyword.
+    memsaving.CheckpointError
+        checkpoints not between xs and ys, or none found.
+    memsaving.BudgetError
+        no plan fits ``budget`` (says the smallest that does).
+    memsaving.UnsupportedGraphError
+        TF1-style control flow in the graph.
 
-    Examples:
-      Where ``tf.gradients`` was called, in a ``tf.function``; the gradients
-      are the same, the activations between checkpoints are recomputed:
+    Examples
+    --------
+    Where ``tf.gradients`` was called, in a ``tf.function``; the gradients
+    are the same, the activations between checkpoints are recomputed:
 
-      >>> import tensorflow as tf
-      >>> import memsaving
-      >>> weights = [tf.Variable(tf.fill([4, 4], 0.1)) for _ in range(8)]
-      >>> @tf.function
-      ... def step(x):
-      ...     h = x
-      ...     for w in weights:
-      ...         h = tf.tanh(tf.matmul(h, w))
-      ...     loss = tf.reduce_sum(h)
-      ...     ours = memsaving.gradients(loss, weights, checkpoints="memory")
-      ...     plain = tf.gradients(loss, weights)
-      ...     return tf.reduce_max([tf.reduce_max(tf.abs(a - b)) for a, b in zip(ours, plain)])
-      >>> float(step(tf.ones([2, 4]))) <= 1e-6
-      True
+    >>> import tensorflow as tf
+    >>> import memsaving
+    >>> weights = [tf.Variable(tf.fill([4, 4], 0.1)) for _ in range(8)]
+    >>> @tf.function
+    ... def step(x):
+    ...     h = x
+    ...     for w in weights:
+    ...         h = tf.tanh(tf.matmul(h, w))
+    ...     loss = tf.reduce_sum(h)
+    ...     ours = memsaving.gradients(loss, weights, checkpoints="memory")
+    ...     plain = tf.gradients(loss, weights)
+    ...     return tf.reduce_max([tf.reduce_max(tf.abs(a - b)) for a, b in zip(ours, plain)])
+    >>> float(step(tf.ones([2, 4]))) <= 1e-6
+    True
 
-      With a budget instead (``budget="2GiB"``), the checkpoints are chosen
-      so that the predicted peak fits; :func:`plan` shows the plan.
+    With a budget instead (``budget="2GiB"``), the checkpoints are chosen
+    so that the predicted peak fits; :func:`plan` shows the plan.
     """
     return gradients_and_plan(ys, xs, grad_ys, checkpoints, budget, **kwargs)[0]
 
@@ -362,9 +376,9 @@ def _checkpoint_ops(checkpoints, fwd, model) -> List[int]:
     """The ops whose outputs ``checkpoints`` keeps: the named modes are
     planned on the model, the other forms name tensors of the graph."""
     if isinstance(checkpoints, str) and checkpoints == "speed":
-        return speed_checkpoints(model)
+        return speed_proposal(model).checkpoint_ops
     if isinstance(checkpoints, str) and checkpoints == "memory":
-        return memory_checkpoints(model)
+        return memory_proposal(model).checkpoint_ops
     return resolve_checkpoints(checkpoints, fwd, model)
 
 
@@ -488,39 +502,47 @@ def plan(
     v1 graph); it adds no ops.  ``plan(...).explain()`` prints a table of the
     backward units (kept op, ops recomputed, kept bytes, recompute FLOPs).
 
-    Args:
-      ys, xs, checkpoints, budget: as for :func:`gradients`.
-      batch_size: replaces unknown dimensions when sizing tensors (default 1).
-      keep_x_gradients: predict as if the gradients are returned and held
+    Parameters
+    ----------
+    ys, xs, checkpoints, budget
+        as for :func:`gradients`.
+    batch_size
+        replaces unknown dimensions when sizing tensors (default 1).
+    keep_x_gradients
+        predict as if the gradients are returned and held
         until the end (True), or consumed as soon as made (False, default).
-      stop_gradients: as for tf.gradients.
-      profile: True (default here: a plan is asked for its predictions)
+    stop_gradients
+        as for tf.gradients.
+    profile
+        True (default here: a plan is asked for its predictions)
         measures each op's kernel temporaries and run times on this device,
         whatever the checkpoints; False leaves them out.
-      **swap_kwargs: ``swap`` and its options, as for :func:`gradients`.
+    **swap_kwargs
+        ``swap`` and its options, as for :func:`gradients`.
 
-    Examples:
-      The plan is made while the function is traced; keep it from there:
+    Examples
+    --------
+    The plan is made while the function is traced; keep it from there:
 
-      >>> import tensorflow as tf
-      >>> import memsaving
-      >>> weights = [tf.Variable(tf.fill([64, 64], 0.01)) for _ in range(16)]
-      >>> plans = []
-      >>> @tf.function
-      ... def step(x):
-      ...     h = x
-      ...     for w in weights:
-      ...         h = tf.tanh(tf.matmul(h, w))
-      ...     plans.append(memsaving.plan(tf.reduce_sum(h), weights, checkpoints="memory", profile=False))
-      ...     return h
-      >>> _ = step.get_concrete_function(tf.TensorSpec([256, 64]))
-      >>> chosen = plans[0]
-      >>> chosen.mode, len(chosen.checkpoints) > 0
-      ('memory', True)
-      >>> chosen.predicted_peak < chosen.plain_peak
-      True
+    >>> import tensorflow as tf
+    >>> import memsaving
+    >>> weights = [tf.Variable(tf.fill([64, 64], 0.01)) for _ in range(16)]
+    >>> plans = []
+    >>> @tf.function
+    ... def step(x):
+    ...     h = x
+    ...     for w in weights:
+    ...         h = tf.tanh(tf.matmul(h, w))
+    ...     plans.append(memsaving.plan(tf.reduce_sum(h), weights, checkpoints="memory", profile=False))
+    ...     return h
+    >>> _ = step.get_concrete_function(tf.TensorSpec([256, 64]))
+    >>> chosen = plans[0]
+    >>> chosen.mode, len(chosen.checkpoints) > 0
+    ('memory', True)
+    >>> chosen.predicted_peak < chosen.plain_peak
+    True
 
-      ``chosen.explain()`` prints the backward units and the predictions.
+    ``chosen.explain()`` prints the backward units and the predictions.
     """
     unknown = sorted(set(swap_kwargs) - set(SWAP_KEYS))
     if unknown:

@@ -207,11 +207,16 @@ class CalibrationRound:
 class Calibration:
     """The record of :func:`fit_to_budget` (also ``step.calibration`` on its result).
 
-    Attributes:
-      budget: the budget in bytes the measured peak must stay under.
-      rounds: every measured round, first to last.
-      margin: bytes taken off the budget when the returned step was planned.
-      plans: the plans ``memsaving.gradients`` made when the returned step was
+    Attributes
+    ----------
+    budget : int
+        the budget in bytes the measured peak must stay under.
+    rounds : list of CalibrationRound
+        every measured round, first to last.
+    margin : int
+        bytes taken off the budget when the returned step was planned.
+    plans : list of Plan
+        the plans ``memsaving.gradients`` made when the returned step was
         traced (one per call; more if it is traced again for new shapes);
         their ``measured_peak`` is set.
     """
@@ -369,32 +374,46 @@ def fit_to_budget(
     anything else alive on the device count, as they do when the device runs
     out of memory.
 
-    Args:
-      step_fn: the training step, a Python function (a ``tf.function`` is
+    Parameters
+    ----------
+    step_fn
+        the training step, a Python function (a ``tf.function`` is
         unwrapped). It must call ``memsaving.gradients(..., budget=...)``,
         normally with this same budget; the margin applies to every
         budgeted call in it.
-      *args, **kwargs: the arguments of one step (a representative batch).
+    *args, **kwargs
+        the arguments of one step (a representative batch).
         The names ``budget``, ``max_rounds``, ``device``,
         ``restore_variables`` and ``verbose`` are this function's own.
-      budget: bytes, or a string such as ``"512MiB"``.
-      max_rounds: how many plans to measure at most (each costs a trace and
+    budget
+        bytes, or a string such as ``"512MiB"``.
+    max_rounds : int
+        how many plans to measure at most (each costs a trace and
         three steps, five for the lowest plan).
-      device: where to measure (default: the first GPU, else the CPU).
-      restore_variables: undo the calibration's training steps (see above).
-      verbose: print one line per round.
+    device : str, optional
+        where to measure (default: the first GPU, else the CPU).
+    restore_variables : bool
+        undo the calibration's training steps (see above).
+    verbose : bool
+        print one line per round.
 
-    Returns:
-      The traced ``tf.function``, ready for the training loop. Retraces (new
-      input shapes) plan with the same margin. ``.calibration`` holds a
-      :class:`Calibration` (rounds, margin, plans); each plan's
-      ``measured_peak`` is set, so ``plan.explain()`` shows both peaks.
+    Returns
+    -------
+    tf.types.experimental.PolymorphicFunction
+        The traced ``tf.function``, ready for the training loop. Retraces (new
+        input shapes) plan with the same margin. ``.calibration`` holds a
+        :class:`Calibration` (rounds, margin, plans); each plan's
+        ``measured_peak`` is set, so ``plan.explain()`` shows both peaks.
 
-    Raises:
-      TypeError: ``step_fn`` is not callable.
-      ValueError: a bad budget or ``max_rounds``, or a step that makes no
+    Raises
+    ------
+    TypeError
+        ``step_fn`` is not callable.
+    ValueError
+        a bad budget or ``max_rounds``, or a step that makes no
         ``memsaving.gradients(..., budget=...)`` call.
-      memsaving.BudgetError: the measured peak is still above ``budget``
+    memsaving.BudgetError
+        the measured peak is still above ``budget``
         after ``max_rounds`` rounds, or the planner's lowest plan measures
         above it; the message lists every round, and
         ``.smallest_budget`` is the lowest peak measured plus 2%, or plus

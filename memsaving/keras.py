@@ -63,13 +63,18 @@ def enable(
 ) -> keras.Model:
     """Make ``model.fit`` / ``train_on_batch`` compute gradients with memsaving.
 
-    Args:
-      model: a compiled or uncompiled Keras model (Sequential, functional or
+    Parameters
+    ----------
+    model : keras.Model
+        a compiled or uncompiled Keras model (Sequential, functional or
         subclassed) on the TensorFlow backend.
-      checkpoints, budget: as for :func:`memsaving.gradients`.
-      swap: host swapping, as for :func:`memsaving.gradients` (``True``,
+    checkpoints, budget
+        as for :func:`memsaving.gradients`.
+    swap
+        host swapping, as for :func:`memsaving.gradients` (``True``,
         ``"auto"`` with ``budget``, or ``False``).
-      batch_size: the batch size the plan is made for when the traced batch
+    batch_size : int, optional
+        the batch size the plan is made for when the traced batch
         dimension is unknown, as it usually is under ``fit``.  Default: found from
         the data given to ``fit`` / ``train_on_batch`` (their ``batch_size``,
         Keras' default 32, a dataset's batch, a generator's or PyDataset's
@@ -77,9 +82,11 @@ def enable(
         always wins over what is found.  Every unknown dimension, including
         unknown non-batch ones such as a variable sequence length, is sized
         with it.
-      verbose: print the plan's predicted peak when the step is traced, and
+    verbose : bool
+        print the plan's predicted peak when the step is traced, and
         one line per calibration round.
-      calibration_rounds: with ``budget``, how many plans may be measured
+    calibration_rounds : int
+        with ``budget``, how many plans may be measured
         above the budget in a row before ``memsaving.BudgetError`` is raised
         (0: plan as predicted, never measure). The first four steps each
         traced train function runs are measured with the allocator (the
@@ -95,22 +102,23 @@ def enable(
     ignore the recomputation order, so it is turned off for this model
     (``disable`` restores it).  Returns ``model``.
 
-    Examples:
-      One line before ``fit``; the training is the same, with less memory:
+    Examples
+    --------
+    One line before ``fit``; the training is the same, with less memory:
 
-      >>> import keras
-      >>> import numpy as np
-      >>> import memsaving.keras
-      >>> model = keras.Sequential([keras.Input((16,))]
-      ...                          + [keras.layers.Dense(16, activation="tanh") for _ in range(8)]
-      ...                          + [keras.layers.Dense(1)])
-      >>> model.compile(optimizer="sgd", loss="mse")
-      >>> model = memsaving.keras.enable(model, checkpoints="memory", verbose=False)
-      >>> history = model.fit(np.ones((32, 16)), np.zeros((32, 1)), batch_size=8, epochs=2, verbose=0)
-      >>> len(history.history["loss"])
-      2
+    >>> import keras
+    >>> import numpy as np
+    >>> import memsaving.keras
+    >>> model = keras.Sequential([keras.Input((16,))]
+    ...                          + [keras.layers.Dense(16, activation="tanh") for _ in range(8)]
+    ...                          + [keras.layers.Dense(1)])
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> model = memsaving.keras.enable(model, checkpoints="memory", verbose=False)
+    >>> history = model.fit(np.ones((32, 16)), np.zeros((32, 1)), batch_size=8, epochs=2, verbose=0)
+    >>> len(history.history["loss"])
+    2
 
-      ``memsaving.keras.disable(model)`` restores plain gradients.
+    ``memsaving.keras.disable(model)`` restores plain gradients.
     """
     if keras.backend.backend() != "tensorflow":
         raise RuntimeError(

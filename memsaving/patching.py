@@ -166,19 +166,24 @@ def patch(checkpoints: Checkpoints = "memory", **kwargs: Any) -> None:
     Calling ``patch`` again replaces the options; the originals saved by the
     first call are kept, so one :func:`unpatch` restores them.
 
-    Args:
-      checkpoints: as for :func:`memsaving.gradients`.  ``"memory"``
+    Parameters
+    ----------
+    checkpoints
+        as for :func:`memsaving.gradients`.  ``"memory"``
         (default) suits a process-wide patch: a graph without a cut is
         differentiated without recomputation.  ``"speed"`` and
         ``"collection"`` raise ``CheckpointError`` in calls whose graph has
         no MatMul/Conv or no marked tensor, and every mode raises
         ``UnsupportedGraphError`` on TF1 control flow, exactly as
         :func:`memsaving.gradients` does.
-      **kwargs: memsaving options applied to every call: ``budget``,
+    **kwargs
+        memsaving options applied to every call: ``budget``,
         ``batch_size``, ``swap`` and its options.
 
-    Raises:
-      TypeError: an unknown option, or a per-call tf.gradients argument.
+    Raises
+    ------
+    TypeError
+        an unknown option, or a per-call tf.gradients argument.
     """
     global _active
     _check_options(checkpoints, kwargs)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 from typing import Dict, List, Set, Tuple
@@ -340,3 +341,38 @@ def test_planning_side_tests_collect_without_tensorflow():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     loaded = result.stdout.splitlines()[-1]
     assert loaded == "LOADED []", loaded[:300]
+
+
+GOOGLE_SECTION = re.compile(r"^\s*(Args|Arguments|Returns|Raises|Yields|Example|Examples|Attributes|Note|Notes):\s*$")
+"""A Google-style section header; numpydoc puts the title over a line of dashes instead."""
+
+
+def _docstrings(tree: ast.Module) -> List[Tuple[str, str]]:
+    """``(qualified name, docstring)`` of the module and of every class and
+    function in it, nested ones included (the module is ``<module>``)."""
+    found = [("<module>", ast.get_docstring(tree) or "")]
+
+    def visit(node: ast.AST, prefix: str):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.append((prefix + child.name, ast.get_docstring(child) or ""))
+                visit(child, f"{prefix}{child.name}.")
+            else:
+                visit(child, prefix)
+
+    visit(tree, "")
+    return found
+
+
+def test_docstrings_use_numpydoc_sections():
+    """Docstrings use numpydoc sections (``Parameters`` over ``----------``),
+    not Google-style ones (``Args:``)."""
+    wrong = []
+    for module in sorted(FILES):
+        path = FILES[module]
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for name, doc in _docstrings(tree):
+            headers = sorted({m.group(1) for line in doc.splitlines() if (m := GOOGLE_SECTION.match(line))})
+            if headers:
+                wrong.append(f"{path.relative_to(ROOT)}:{name} ({', '.join(h + ':' for h in headers)})")
+    assert not wrong, "Google-style docstring sections, write numpydoc instead:\n" + "\n".join(wrong)

@@ -86,10 +86,12 @@ def separator_chain(model: GraphModel, max_vertices: int = 200_000,
     networks (towers, skips, U-Nets) need: they have no single separating
     tensor, but small separating sets.
 
-    Returns:
-      ``(cut, input_side_bytes)`` pairs, cuts as sorted lists of op indices,
-      ordered by the activation bytes on their input side (consecutive cuts
-      along a path of the decomposition are nested).
+    Returns
+    -------
+    list of tuple
+        ``(cut, input_side_bytes)`` pairs, cuts as sorted lists of op indices,
+        ordered by the activation bytes on their input side (consecutive cuts
+        along a path of the decomposition are nested).
     """
     import treedecomp  # pylint: disable=import-outside-toplevel
 
@@ -153,9 +155,11 @@ def level_cuts(model: GraphModel, max_size: int = 64,
     single-tensor separators (and the width-2 separators of a series-parallel
     graph's tree decomposition) cannot express.  Linear time.
 
-    Returns:
-      ``(cut, input_side_bytes)`` pairs in level order, cuts of at most
-      ``max_size`` ops.
+    Returns
+    -------
+    list of tuple
+        ``(cut, input_side_bytes)`` pairs in level order, cuts of at most
+        ``max_size`` ops.
     """
     graph, order = activations or activation_digraph(model)
     depth, by_level = _depth_order(graph, order)

@@ -23,15 +23,20 @@ def bottlenecks(graph: nx.DiGraph, order: Sequence[Hashable]) -> list:
     treated as fed by one virtual input node placed before everything.)  This is the single-tensor separator of the TF1
     package's ``"memory"`` mode, found here in one linear sweep.
 
-    Args:
-      graph: a DAG.
-      order: all nodes of ``graph`` in a topological order.
+    Parameters
+    ----------
+    graph : nx.DiGraph
+        a DAG.
+    order
+        all nodes of ``graph`` in a topological order.
 
-    Returns:
-      The bottleneck nodes in ``order``, excluding nodes without successors
-      (keeping an output saves nothing) and nodes without predecessors (they
-      are computed from kept inputs in one step, so keeping them saves no
-      recomputation and would cut nothing).
+    Returns
+    -------
+    list
+        The bottleneck nodes in ``order``, excluding nodes without successors
+        (keeping an output saves nothing) and nodes without predecessors (they
+        are computed from kept inputs in one step, so keeping them saves no
+        recomputation and would cut nothing).
     """
     position = {node: i for i, node in enumerate(order)}
     if len(position) != graph.number_of_nodes():

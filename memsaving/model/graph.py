@@ -14,6 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
+BACKWARD_COST_FACTOR = 2.0
+"""Backward of an op costs about twice its forward (two products for a
+matmul or convolution); used to report compute, not to pick plans."""
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -44,30 +48,41 @@ class TensorInfo:
 class OpInfo:
     """An op of the forward step.
 
-    Attributes:
-      forward: gradients flow through it (it lies between xs and ys).
-      copyable: recomputing it gives the same values (not stateful).
-      grad_reads: the tensors (inputs or outputs) its gradient function reads.
-      input_grad_reads: for ops whose gradient with respect to each input
+    Attributes
+    ----------
+    forward
+        gradients flow through it (it lies between xs and ys).
+    copyable
+        recomputing it gives the same values (not stateful).
+    grad_reads
+        the tensors (inputs or outputs) its gradient function reads.
+    input_grad_reads
+        for ops whose gradient with respect to each input
         is a kernel of its own (a product's two matmuls), per input the
         tensors that kernel reads (empty for an input whose gradient is not
         used); empty when the gradient is taken as one kernel reading
         ``grad_reads``.
-      cost: compute cost in arbitrary units (FLOPs by default).
-      forwards_input: an elementwise op: its kernel, and its gradient's
+    cost
+        compute cost in arbitrary units (FLOPs by default).
+    forwards_input
+        an elementwise op: its kernel, and its gradient's
         kernels, write an output into the buffer of an input of the same
         size that nothing reads afterwards, allocating nothing
         (TensorFlow's ``forward_input_or_allocate_output``).
-      temp_bytes: memory the forward kernel holds while it runs, beyond
+    temp_bytes
+        memory the forward kernel holds while it runs, beyond
         its inputs and outputs (work buffers); counted during each forward
         and recompute action of the op.
-      grad_temp_bytes: the same for the op's gradient, beyond what its
+    grad_temp_bytes
+        the same for the op's gradient, beyond what its
         backward action reads and writes; counted during that action.
-      saved_bytes: memory the forward op keeps for its gradient that is no
+    saved_bytes
+        memory the forward op keeps for its gradient that is no
         tensor of the model (a loop's accumulated intermediates, added to
         the op when its gradient is built): written by the op's forward
         (or recompute) action and freed after its backward action.
-      seconds, grad_seconds: measured run times of the op and of its
+    seconds, grad_seconds
+        measured run times of the op and of its
         gradient; when present they time the action instead of ``cost``.
     """
 
@@ -92,14 +107,21 @@ class OpInfo:
 class ProfileSummary:
     """How the kernel profiles of a model were obtained.
 
-    Attributes:
-      mode: ``"measure"`` (missing signatures measured), ``"cached"`` (only
+    Attributes
+    ----------
+    mode
+        ``"measure"`` (missing signatures measured), ``"cached"`` (only
         profiles already cached were used) or ``"off"``.
-      measured: op signatures measured for this model.
-      cached: op signatures found in the cache.
-      missing: signatures without a profile (cache-only runs).
-      seconds: time spent profiling (cache look-ups included).
-      ops: ops of the model that carry a profile.
+    measured
+        op signatures measured for this model.
+    cached
+        op signatures found in the cache.
+    missing
+        signatures without a profile (cache-only runs).
+    seconds
+        time spent profiling (cache look-ups included).
+    ops
+        ops of the model that carry a profile.
     """
 
     mode: str = "off"
@@ -114,22 +136,31 @@ class ProfileSummary:
 class GraphModel:
     """One forward step: ops in topological order, tensors, what is differentiated.
 
-    Attributes:
-      ops: the ops ``ys`` depend on, in topological order.
-      tensors: tensor id -> info.
-      xs: tensor ids gradients are taken with respect to.
-      ys: tensor ids being differentiated.
-      resident_bytes: memory in use before the step starts (parameters,
+    Attributes
+    ----------
+    ops
+        the ops ``ys`` depend on, in topological order.
+    tensors
+        tensor id -> info.
+    xs
+        tensor ids gradients are taken with respect to.
+    ys
+        tensor ids being differentiated.
+    resident_bytes
+        memory in use before the step starts (parameters,
         inputs), included in every predicted peak.
-      profile: how the ops' measured temporaries and times were obtained
+    profile
+        how the ops' measured temporaries and times were obtained
         (:class:`ProfileSummary`), when they were.
-      separate_result_kernels: an op's gradient with respect to an ``x`` (a
+    separate_result_kernels
+        an op's gradient with respect to an ``x`` (a
         weight gradient) is made by a kernel of its own and, unless the
         caller keeps the results, consumed before the op's other gradient
         kernels allocate (TensorFlow, see
         :func:`memsaving.model.buffers.consumed_at_once`); otherwise all of an
         op's gradients are held together, as Checkmate's MILP counts them.
-      ready_gradients_early: the executor runs several kernels at once (more
+    ready_gradients_early
+        the executor runs several kernels at once (more
         than one inter-op thread), so a recomputed segment's gradient
         kernels that read nothing the recomputation makes run while it does
         (:func:`memsaving.sim.actions.ready_gradients_first`); with one thread
@@ -167,7 +198,14 @@ class GraphModel:
         return {op.name: i for i, op in enumerate(self.ops)}
 
     def forward_cost(self) -> float:
+        """Compute of one run of every op, in the ops' cost units."""
         return sum(op.cost for op in self.ops)
+
+    def backward_cost(self) -> float:
+        """Compute of the backward pass: ``BACKWARD_COST_FACTOR`` times the
+        forward ops' cost.  With :meth:`forward_cost` it is what every plan
+        pays; a plan only adds recomputation."""
+        return BACKWARD_COST_FACTOR * sum(op.cost for op in self.ops if op.forward)
 
     def activation_bytes(self) -> int:
         return sum(self.tensors[t].nbytes for op in self.ops if op.forward for t in op.outputs)

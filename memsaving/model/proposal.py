@@ -17,15 +17,23 @@ from typing import Dict, List, Optional, Tuple
 class Proposal:
     """A plan proposal scored by the simulator.
 
-    Attributes:
-      checkpoint_ops: ops whose outputs are kept from the forward pass.
-      peak: simulated peak bytes (resident memory included).
-      recompute_cost: FLOPs recomputed.
-      inner: multi-level plans: kept op -> the inner checkpoints its
+    Attributes
+    ----------
+    checkpoint_ops : list of int
+        ops whose outputs are kept from the forward pass.
+    peak : int
+        simulated peak bytes (resident memory included).
+    recompute_cost : float
+        FLOPs recomputed.
+    inner
+        multi-level plans: kept op -> the inner checkpoints its
         segment recomputes first (empty for single-level plans).
-      swapped: tensor ids copied to host memory between the two passes.
-      seconds: simulated step time, when the plan was timed (swaps).
-      name: which planner or variant proposed it.
+    swapped : list of int
+        tensor ids copied to host memory between the two passes.
+    seconds : float or None
+        simulated step time, when the plan was timed (swaps).
+    name : str
+        which planner or variant proposed it.
     """
 
     checkpoint_ops: List[int]

@@ -1,11 +1,16 @@
-"""Swap timing defaults shared by the simulator and the emitter.
+"""Swap timing rules and defaults shared by the simulator and the emitter.
 
 The simulator (:class:`memsaving.sim.swap.CostModel`) and the TensorFlow
 rewrite (:class:`memsaving.tf.swap_rewrite.SwapOptions`) must time a swap
 the same way, or the predicted peak is not what runs; their defaults come
-from here.  Both count steps of the step's order: actions in the simulator,
-topological levels in the rewrite.
+from here, and both find the ops that wait for a swap-out with
+:func:`swap_out_waiters`.  Both count steps of the step's order: actions
+in the simulator, topological levels in the rewrite.
 """
+
+from typing import Callable, Hashable, Iterable, Set, TypeVar
+
+Op = TypeVar("Op", bound=Hashable)
 
 SWAP_IN_LEAD = 3
 """A swap-in starts after the compute this many steps before its first
@@ -19,3 +24,27 @@ SWAP_OUT_SLACK = 1
 """The forward ops this many steps after a swapped tensor's consumers wait
 for its swap-out (1: the consumers' consumers), so the device copy is freed
 during the forward pass and not after it."""
+
+
+def swap_out_waiters(first_readers: Iterable[Op], forward_readers: Callable[[Op], Iterable[Op]],
+                     slack: int = SWAP_OUT_SLACK) -> Set[Op]:
+    """The forward ops that wait for a swapped tensor's swap-out: those
+    ``slack`` forward steps downstream of its forward readers.
+
+    ``first_readers`` are the forward ops reading the swapped tensor;
+    ``forward_readers(op)`` the forward ops reading any output of ``op``.
+    The simulator passes op indices of the graph model, the rewrite
+    TensorFlow operations, so both wait on the same ops.
+
+    Examples
+    --------
+    >>> chain = {1: [2], 2: [3], 3: []}
+    >>> sorted(swap_out_waiters([1], chain.get, slack=1))
+    [2]
+    >>> sorted(swap_out_waiters([1], chain.get, slack=0))
+    [1]
+    """
+    frontier = set(first_readers)
+    for _ in range(slack):
+        frontier = {reader for op in frontier for reader in forward_readers(op)}
+    return frontier

@@ -135,11 +135,12 @@ def _search(
     model: GraphModel,
     candidates: Sequence[Union[int, Sequence[int]]],
     budget: int,
+    *,
     keep_x_gradients: bool,
-    rounds: int,
-    max_evaluations: Optional[int],
     cut_bytes: Optional[Sequence[float]],
-    max_candidates: int,
+    max_evaluations: Optional[int],
+    rounds: int = 8,
+    max_candidates: int = 500,
 ) -> _SearchResult:
     """The search behind :func:`select_for_budget` and :func:`lowest_peak_plan`."""
     cuts = _as_cuts(candidates)
@@ -233,12 +234,13 @@ def select_for_budget(
     model: GraphModel,
     candidates: Sequence[Union[int, Sequence[int]]],
     budget: int,
+    *,
     keep_x_gradients: bool = False,
     rounds: int = 8,
     max_evaluations: Optional[int] = None,
     cut_bytes: Optional[Sequence[float]] = None,
     max_candidates: int = 500,
-) -> Tuple[List[int], int]:
+) -> Proposal:
     """Checkpoint ops minimising recomputation with simulated peak <= ``budget``.
 
     ``candidates`` are op indices or sets of op indices (cuts), ordered from
@@ -254,18 +256,22 @@ def select_for_budget(
     candidate's last op in the model's order.  More than ``max_candidates``
     candidates are thinned to an evenly spread subset first.
 
-    Returns ``(checkpoint_ops, simulated_peak)``.
+    Returns the plan as a :class:`~memsaving.model.proposal.Proposal`
+    named ``"single-level"``.
 
-    Raises:
-      BudgetError: nothing found fits; the message gives the smallest
+    Raises
+    ------
+    BudgetError
+        nothing found fits; the message gives the smallest
         budget found feasible.
     """
-    found = _search(model, candidates, budget, keep_x_gradients, rounds, max_evaluations, cut_bytes,
-                    max_candidates)
+    found = _search(model, candidates, budget, keep_x_gradients=keep_x_gradients, cut_bytes=cut_bytes,
+                    max_evaluations=max_evaluations, rounds=rounds, max_candidates=max_candidates)
     if found.best is not None:
-        return _ops_of(found.cuts, found.best), found.evaluated[found.best][1]
+        cost, peak = found.evaluated[found.best]
+        return Proposal(_ops_of(found.cuts, found.best), peak, cost, name="single-level")
     floor = min([peak for _, peak in found.evaluated.values()]
-                + [minimum_peak(model, found.cuts, keep_x_gradients)])
+                + [minimum_peak(model, found.cuts, keep_x_gradients=keep_x_gradients)])
     _raise_infeasible(model, budget, floor)
 
 
@@ -282,25 +288,28 @@ def _raise_infeasible(model: GraphModel, budget: int, lowest_peak: int):
 def lowest_peak_plan(
     model: GraphModel,
     candidates: Sequence[Union[int, Sequence[int]]],
+    *,
     keep_x_gradients: bool = False,
     cut_bytes: Optional[Sequence[float]] = None,
     max_evaluations: Optional[int] = None,
-) -> Tuple[List[int], int]:
+) -> Proposal:
     """The single-level plan of lowest simulated peak that the search finds.
 
     The same search as :func:`select_for_budget` with a budget nothing fits,
     so every step lowers the peak; ties go to less recomputation.  Returns
-    ``(checkpoint_ops, simulated_peak)``.
+    the plan as a :class:`~memsaving.model.proposal.Proposal` named
+    ``"lowest"``.
     """
-    found = _search(model, candidates, 0, keep_x_gradients, 8, max_evaluations, cut_bytes, 500)
+    found = _search(model, candidates, 0, keep_x_gradients=keep_x_gradients, cut_bytes=cut_bytes,
+                    max_evaluations=max_evaluations)
     plain = simulate(model, keep_x_gradients=keep_x_gradients)
     options = [((plain.peak_bytes, 0.0), [])] + [
         ((peak, cost), _ops_of(found.cuts, chosen)) for chosen, (cost, peak) in found.evaluated.items()]
     for ops in low_peak_plans(model, found.cuts):
         sim = simulate(model, ops, keep_x_gradients=keep_x_gradients)
         options.append(((sim.peak_bytes, sim.recompute_cost), ops))
-    (peak, _), ops = min(options, key=lambda option: option[0])
-    return ops, peak
+    (peak, cost), ops = min(options, key=lambda option: option[0])
+    return Proposal(ops, peak, cost, name="lowest")
 
 
 def greedy_plans(cut_bytes: Sequence[float], total_bytes: float, thresholds: int = 30) -> List[Tuple[int, ...]]:
@@ -341,7 +350,7 @@ def low_peak_plans(model: GraphModel, candidates: Sequence) -> List[List[int]]:
     return plans
 
 
-def minimum_peak(model: GraphModel, candidates: Sequence, keep_x_gradients: bool = False) -> int:
+def minimum_peak(model: GraphModel, candidates: Sequence, *, keep_x_gradients: bool = False) -> int:
     """The smallest simulated peak over DP plans for a range of budgets."""
     peaks = [simulate(model, ops, keep_x_gradients=keep_x_gradients).peak_bytes
              for ops in [[]] + low_peak_plans(model, candidates)]
@@ -352,6 +361,7 @@ def plan_for_budget(
     model: GraphModel,
     candidates: Sequence[Union[int, Sequence[int]]],
     budget: int,
+    *,
     keep_x_gradients: bool = False,
     cut_bytes: Optional[Sequence[float]] = None,
     max_evaluations: Optional[int] = None,
@@ -375,11 +385,14 @@ def plan_for_budget(
     calibration that measures peaks wants that plan: predictions err both
     ways, so it may fit as measured.
 
-    Raises:
-      BudgetError: nothing fits (and not ``or_lowest``); the message gives
+    Raises
+    ------
+    BudgetError
+        nothing fits (and not ``or_lowest``); the message gives
         the smallest budget found feasible.
     """
-    found = _search(model, candidates, budget, keep_x_gradients, 8, max_evaluations, cut_bytes, 500)
+    found = _search(model, candidates, budget, keep_x_gradients=keep_x_gradients, cut_bytes=cut_bytes,
+                    max_evaluations=max_evaluations)
     proposals = []
     floor = None
     if found.best is not None:
@@ -387,8 +400,8 @@ def plan_for_budget(
         proposals.append(Proposal(_ops_of(found.cuts, found.best), peak, cost, name="single-level"))
     if per_op:
         starts = [_ops_of(found.cuts, found.best)] if found.best is not None else []
-        for ops, sim in refined_plans(model, starts, budget, keep_x_gradients, max_evaluations):
-            proposals.append(Proposal(ops, sim.peak_bytes, sim.recompute_cost, name="per-op"))
+        proposals += refined_plans(model, starts, budget, keep_x_gradients=keep_x_gradients,
+                                   max_evaluations=max_evaluations)
     if multilevel:
         for nested, sim in _nested_search(model, candidates, budget, keep_x_gradients):
             floor = sim.peak_bytes if floor is None else min(floor, sim.peak_bytes)
@@ -407,9 +420,7 @@ def _lowest_plan(model: GraphModel, candidates, keep_x_gradients: bool, cut_byte
     """The lowest-peak plan found by searches that do not depend on the
     budget asked for: the floor the BudgetError message reports, which
     therefore fits when passed back as the budget."""
-    ops, _ = lowest_peak_plan(model, candidates, keep_x_gradients, cut_bytes)
-    sim = simulate(model, ops, keep_x_gradients=keep_x_gradients)
-    best = Proposal(ops, sim.peak_bytes, sim.recompute_cost, name="lowest")
+    best = lowest_peak_plan(model, candidates, keep_x_gradients=keep_x_gradients, cut_bytes=cut_bytes)
     if not multilevel:
         return best
     resident = model.resident_bytes

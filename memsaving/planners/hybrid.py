@@ -61,6 +61,7 @@ def plan_hybrid(
     model: GraphModel,
     candidates: Sequence,
     budget: int,
+    *,
     cost: Optional[CostModel] = None,
     keep_x_gradients: bool = False,
     cut_bytes: Optional[Sequence[float]] = None,
@@ -76,18 +77,22 @@ def plan_hybrid(
     lowest-peak plan reached instead of raising (as
     :func:`memsaving.planners.budget.plan_for_budget` does).
 
-    Raises:
-      BudgetError: neither pure plan nor any hybrid the greedy reached fits
+    Raises
+    ------
+    BudgetError
+        neither pure plan nor any hybrid the greedy reached fits
         (and not ``or_lowest``).
     """
     cost = cost or CostModel()
     recompute_only = None
     try:
-        chosen = plan_for_budget(model, candidates, budget, keep_x_gradients, cut_bytes, multilevel=False)
+        chosen = plan_for_budget(model, candidates, budget, keep_x_gradients=keep_x_gradients, cut_bytes=cut_bytes,
+                                 multilevel=False)
         start_ops = chosen.checkpoint_ops
         recompute_only = _score(model, "recompute-only", start_ops, [], cost, keep_x_gradients)
     except BudgetError:
-        start_ops = lowest_peak_plan(model, candidates, keep_x_gradients, cut_bytes)[0]
+        start_ops = lowest_peak_plan(model, candidates, keep_x_gradients=keep_x_gradients,
+                                     cut_bytes=cut_bytes).checkpoint_ops
     swap_only = _score(model, "swap-only", [], swap_candidates(model, kept_set(model, [])), cost,
                        keep_x_gradients)
     current = _score(model, "hybrid", start_ops, [], cost, keep_x_gradients)

@@ -16,35 +16,44 @@ from memsaving.candidates import cuts as candidates
 from memsaving.planners.budget import lowest_peak_plan
 from memsaving.errors import CheckpointError
 from memsaving.model.graph import GraphModel
+from memsaving.model.proposal import Proposal
 from memsaving.sim.simulate import simulate
 
 logger = logging.getLogger("memsaving")
 
 
-def speed_checkpoints(model: GraphModel) -> List[int]:
-    """The copyable MatMul/Conv/Einsum forward ops (:func:`memsaving.candidates.cuts.speed`)."""
+def speed_proposal(model: GraphModel, keep_x_gradients: bool = False) -> Proposal:
+    """Keep the copyable MatMul/Conv/Einsum forward ops' outputs
+    (:func:`memsaving.candidates.cuts.speed`): the ``"speed"`` mode, named
+    ``"speed"``."""
     found = candidates.speed(model)
     if not found:
         raise CheckpointError(
             "checkpoints='speed' found no MatMul/Conv/Einsum op between xs and ys; "
             "use checkpoints='memory' or pass a list of tensors."
         )
-    return found
+    return _scored(model, found, keep_x_gradients, "speed")
 
 
-def memory_checkpoints(model: GraphModel) -> List[int]:
-    """The checkpoints of the lowest-peak plan among a few candidate plans
-    (:func:`_lowest_peak`); none when the graph has no cut."""
+def memory_proposal(model: GraphModel, keep_x_gradients: bool = False) -> Proposal:
+    """The lowest-peak plan among a few candidate plans (:func:`_lowest_peak`):
+    the ``"memory"`` mode, named ``"memory"``; keeps nothing extra when the
+    graph has no cut."""
     cuts = candidates.memory_candidates(model)
     if not cuts:
         # Only graphs with (almost) no ops between xs and ys have no cut at
         # all; there is nothing to recompute, so plain backprop is the plan.
         logger.info("checkpoints='memory': no cut between xs and ys; nothing to recompute")
-        return []
-    return _lowest_peak(model, cuts)
+        return _scored(model, [], keep_x_gradients, "memory")
+    return _lowest_peak(model, cuts, keep_x_gradients).renamed("memory")
 
 
-def _lowest_peak(model: GraphModel, cuts) -> List[int]:
+def _scored(model: GraphModel, ops: List[int], keep_x_gradients: bool, name: str) -> Proposal:
+    sim = simulate(model, ops, keep_x_gradients=keep_x_gradients)
+    return Proposal(ops, sim.peak_bytes, sim.recompute_cost, name=name)
+
+
+def _lowest_peak(model: GraphModel, cuts, keep_x_gradients: bool) -> Proposal:
     """Of a few sqrt(n)-style plans and the budget search's lowest-peak plan,
     the one the simulator predicts lowest.
 
@@ -62,11 +71,6 @@ def _lowest_peak(model: GraphModel, cuts) -> List[int]:
         root = max(1, int(round(len(pool) ** 0.5)))
         for count in sorted({max(1, root // 2), root, min(len(pool), 2 * root)}):
             options.append(candidates.sqrtn_sets(model, pool, count))
-    options.append(lowest_peak_plan(model, [cut for cut, _ in cuts], cut_bytes=[b for _, b in cuts])[0])
-    best, best_key = None, None
-    for ops in options:
-        sim = simulate(model, ops)
-        key = (sim.peak_bytes, sim.recompute_cost)
-        if best_key is None or key < best_key:
-            best, best_key = ops, key
-    return best
+    options.append(lowest_peak_plan(model, [cut for cut, _ in cuts], cut_bytes=[b for _, b in cuts]).checkpoint_ops)
+    scored = [_scored(model, ops, keep_x_gradients, "") for ops in options]
+    return min(scored, key=lambda proposal: (proposal.peak, proposal.recompute_cost))

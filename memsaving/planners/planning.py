@@ -34,26 +34,40 @@ class Segment:
 class Plan:
     """What memsaving will do for one gradient computation.
 
-    Attributes:
-      mode: how checkpoints were chosen ("speed", "memory", "budget", a list...).
-      checkpoints: names of the checkpoint tensors.
-      kept_ops: names of every op whose outputs are kept (checkpoints plus ops
+    Attributes
+    ----------
+    mode
+        how checkpoints were chosen ("speed", "memory", "budget", a list...).
+    checkpoints
+        names of the checkpoint tensors.
+    kept_ops
+        names of every op whose outputs are kept (checkpoints plus ops
         that are never recomputed).
-      segments: the backward units, from the output back to the inputs.
-      predicted_peak: simulated peak bytes, including resident memory.
-      plain_peak: simulated peak bytes of plain tf.gradients.
-      predicted_compute: forward + recompute + backward relative to plain.
-      budget: the memory budget in bytes, when one was given.
-      resident_bytes: memory counted as in use before the step (parameters,
+    segments
+        the backward units, from the output back to the inputs.
+    predicted_peak
+        simulated peak bytes, including resident memory.
+    plain_peak
+        simulated peak bytes of plain tf.gradients.
+    predicted_compute
+        forward + recompute + backward relative to plain.
+    budget
+        the memory budget in bytes, when one was given.
+    resident_bytes
+        memory counted as in use before the step (parameters,
         inputs, or what the device held while planning when that is more);
         part of ``predicted_peak``.
-      inner_checkpoints: for multi-level plans, kept op name -> the names of
+    inner_checkpoints
+        for multi-level plans, kept op name -> the names of
         the inner checkpoints its segment recomputes first (empty otherwise).
-      swapped: names of the tensors copied to host memory after the forward
+    swapped
+        names of the tensors copied to host memory after the forward
         pass and back before the backward pass reads them.
-      predicted_seconds, plain_seconds: step time of this plan and of plain
+    predicted_seconds, plain_seconds
+        step time of this plan and of plain
         backprop under the cost model, when swapping was planned.
-      steps: the backward units in execution order as ``(kind, anchor op
+    steps
+        the backward units in execution order as ``(kind, anchor op
         name, op names in topological order)``: exactly what
         ``memsaving.gradients`` copies and differentiates.
     """
@@ -161,6 +175,7 @@ def make_plan(
     model: GraphModel,
     checkpoint_ops: Sequence[int],
     mode: str,
+    *,
     budget: Optional[int] = None,
     keep_x_gradients: bool = False,
     inner: Optional[Inner] = None,

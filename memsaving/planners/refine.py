@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Set, Tuple
 
 from memsaving.model.graph import GraphModel
+from memsaving.model.proposal import Proposal
 from memsaving.model.schedule import RECOMPUTING, backward_units, kept_set
 from memsaving.sim.simulate import Simulation, simulate
 
@@ -53,6 +54,7 @@ def keep_more(
     model: GraphModel,
     checkpoint_ops: Sequence[int],
     budget: int,
+    *,
     keep_x_gradients: bool = False,
     max_evaluations: Optional[int] = None,
 ) -> Tuple[List[int], Simulation]:
@@ -89,6 +91,7 @@ def _excess(sim: Simulation, model: GraphModel, budget: int) -> int:
 def drop_from_keep_all(
     model: GraphModel,
     budget: int,
+    *,
     keep_x_gradients: bool = False,
     max_evaluations: Optional[int] = None,
 ) -> Optional[Tuple[List[int], Simulation]]:
@@ -152,18 +155,20 @@ def refined_plans(
     model: GraphModel,
     start_plans: Sequence[Sequence[int]],
     budget: int,
+    *,
     keep_x_gradients: bool = False,
     max_evaluations: Optional[int] = None,
-) -> List[Tuple[List[int], Simulation]]:
+) -> List[Proposal]:
     """Per-op refinements that fit ``budget``: each start plan that fits with
     more ops kept, and the plan grown down from keeping everything (also
-    with more ops kept again where the drops overshot)."""
+    with more ops kept again where the drops overshot), named ``"per-op"``."""
     found = []
     for start in start_plans:
-        ops, sim = keep_more(model, start, budget, keep_x_gradients, max_evaluations)
+        ops, sim = keep_more(model, start, budget, keep_x_gradients=keep_x_gradients, max_evaluations=max_evaluations)
         if sim.peak_bytes <= budget:
             found.append((ops, sim))
-    dropped = drop_from_keep_all(model, budget, keep_x_gradients, max_evaluations)
+    dropped = drop_from_keep_all(model, budget, keep_x_gradients=keep_x_gradients, max_evaluations=max_evaluations)
     if dropped is not None:
-        found.append(keep_more(model, dropped[0], budget, keep_x_gradients, max_evaluations))
-    return found
+        found.append(keep_more(model, dropped[0], budget, keep_x_gradients=keep_x_gradients,
+                               max_evaluations=max_evaluations))
+    return [Proposal(ops, sim.peak_bytes, sim.recompute_cost, name="per-op") for ops, sim in found]

@@ -27,8 +27,10 @@ def optimal_plan(
 
     Returns None when no subset fits.
 
-    Raises:
-      ValueError: more than ``MAX_CANDIDATES`` candidates (2^n simulations).
+    Raises
+    ------
+    ValueError
+        more than ``MAX_CANDIDATES`` candidates (2^n simulations).
     """
     if len(candidates) > MAX_CANDIDATES:
         raise ValueError(

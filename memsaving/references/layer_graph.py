@@ -69,16 +69,22 @@ _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 def layer_graph_model(keras_model, batch_size: int, max_layers: Optional[int] = None) -> GraphModel:
     """The layer-level :class:`GraphModel` of ``keras_model``'s training step.
 
-    Args:
-      keras_model: a Keras 3 functional model (keras.applications models
+    Parameters
+    ----------
+    keras_model
+        a Keras 3 functional model (keras.applications models
         are).
-      batch_size: replaces the unknown batch dimension in sizes and costs.
-      max_layers: keep only the first ``max_layers`` layer calls (in
+    batch_size : int
+        replaces the unknown batch dimension in sizes and costs.
+    max_layers : int, optional
+        keep only the first ``max_layers`` layer calls (in
         topological order); the loss then reads every kept tensor a dropped
         layer read, so the prefix is a complete training step of its own.
 
-    Raises:
-      ValueError: the model is not a functional graph of layers.
+    Raises
+    ------
+    ValueError
+        the model is not a functional graph of layers.
     """
     calls = _layer_calls(keras_model)
     if max_layers is not None:

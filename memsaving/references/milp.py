@@ -93,7 +93,6 @@ from scipy.sparse import coo_array
 
 from memsaving.model.graph import GraphModel, gradient_sinks, without_forwarding
 from memsaving.sim.replay import Event, gradient_ops, plain_schedule, schedule_actions, simulate_schedule
-from memsaving.sim.actions import BACKWARD_COST_FACTOR
 from memsaving.model.buffers import Action, memory_replay
 from memsaving.sim.simulate import Simulation
 
@@ -108,15 +107,24 @@ minutes."""
 class TrainingGraph:
     """The training graph the MILP schedules.
 
-    Attributes:
-      sizes: bytes of each forward node's outputs (forward node = op index).
-      costs: forward cost of each op.
-      deps: forward nodes each forward node reads.
-      copyable: whether each forward node may be recomputed.
-      backward_ops: op index of each backward node, in stage order.
-      backward_deps: forward nodes each backward node reads (its ``grad_reads``).
-      grad_before: gradient bytes alive while each backward stage recomputes.
-      grad_during: gradient bytes alive while each backward node runs.
+    Attributes
+    ----------
+    sizes
+        bytes of each forward node's outputs (forward node = op index).
+    costs
+        forward cost of each op.
+    deps
+        forward nodes each forward node reads.
+    copyable
+        whether each forward node may be recomputed.
+    backward_ops
+        op index of each backward node, in stage order.
+    backward_deps
+        forward nodes each backward node reads (its ``grad_reads``).
+    grad_before
+        gradient bytes alive while each backward stage recomputes.
+    grad_during
+        gradient bytes alive while each backward node runs.
     """
 
     sizes: Tuple[int, ...]
@@ -187,19 +195,30 @@ def _gradient_profile(model: GraphModel, keep_x_gradients: bool) -> Tuple[List[i
 class MilpResult:
     """A solved MILP and its schedule replayed in the simulator.
 
-    Attributes:
-      events: the schedule (``("forward", op)`` / ``("backward", op)``).
-      total_cost: the MILP objective as total compute (forward + recompute
+    Attributes
+    ----------
+    events
+        the schedule (``("forward", op)`` / ``("backward", op)``).
+    total_cost
+        the MILP objective as total compute (forward + recompute
         + backward, in the model's cost units).
-      lower_bound: no schedule of the family costs less (HiGHS's dual
+    lower_bound
+        no schedule of the family costs less (HiGHS's dual
         bound; ``total_cost`` when proven optimal).
-      recompute_cost: the part of ``total_cost`` spent recomputing.
-      optimal: proven optimal (within ``mip_gap``).
-      mip_gap: HiGHS's relative gap at the end.
-      seconds: solve time.
-      variables, integer_variables, constraints: program size.
-      bound_bytes: the MILP's own (upper-bound) peak, resident included.
-      peak_bytes, compute_ratio, simulation: the schedule replayed by
+    recompute_cost
+        the part of ``total_cost`` spent recomputing.
+    optimal
+        proven optimal (within ``mip_gap``).
+    mip_gap
+        HiGHS's relative gap at the end.
+    seconds
+        solve time.
+    variables, integer_variables, constraints
+        program size.
+    bound_bytes
+        the MILP's own (upper-bound) peak, resident included.
+    peak_bytes, compute_ratio, simulation
+        the schedule replayed by
         :func:`memsaving.sim.replay.simulate_schedule`.
     """
 
@@ -483,8 +502,10 @@ def solve_milp(
     total compute (forward + recompute + backward): HiGHS stops once the
     schedule is proven that close to the optimum.
 
-    Raises:
-      ValueError: the training graph has more than ``max_nodes`` nodes.
+    Raises
+    ------
+    ValueError
+        the training graph has more than ``max_nodes`` nodes.
     """
     return run_milp(model, budget, time_limit, keep_x_gradients, max_nodes, mip_rel_gap).result
 
@@ -564,7 +585,7 @@ def _dual_bound(res, cost_unit: float) -> Optional[float]:
 def _fixed_cost(model: GraphModel) -> float:
     """Compute every schedule pays: one forward run of each op and the
     backward pass, counted as :func:`memsaving.sim.simulate.simulate` does."""
-    return sum(op.cost for op in model.ops) + BACKWARD_COST_FACTOR * sum(op.cost for op in model.ops if op.forward)
+    return model.forward_cost() + model.backward_cost()
 
 
 def _result(model: GraphModel, form: _Formulation, res, seconds: float, cost_unit: float,

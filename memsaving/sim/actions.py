@@ -12,12 +12,8 @@ from dataclasses import replace
 from typing import Dict, List, Sequence, Set, Tuple
 
 from memsaving.model.buffers import Action, Key
-from memsaving.model.graph import GraphModel, OpInfo, gradient_sinks, receives_gradient
+from memsaving.model.graph import BACKWARD_COST_FACTOR, GraphModel, OpInfo, gradient_sinks, receives_gradient
 from memsaving.model.schedule import RECOMPUTING, Unit, UnitKind, recomputes_anchor
-
-BACKWARD_COST_FACTOR = 2.0
-"""Backward of an op costs about twice its forward (two products for a
-matmul or convolution); used to report compute, not to pick plans."""
 
 
 def op_action(op: OpInfo, label: str, reads: List[Key], writes: List[Tuple[Key, int]], backward: bool = False,
@@ -56,13 +52,64 @@ def result_keys(model: GraphModel, writes: Sequence[Tuple[Key, int]]) -> Tuple[K
     return tuple(key for key, _ in writes if len(key) == 2)
 
 
+class GradientBuffers:
+    """The gradient buffers of one step, with eager accumulation: the one
+    rule for how gradient contributions are named and summed.
+
+    A tensor with several consumers gets one contribution from each
+    consumer's gradient; each contribution reads the running sum and writes
+    the new sum into a new buffer (``("g", t, version)``), so the previous
+    version dies with it.  The gradients of :func:`memsaving.model.graph.gradient_sinks`
+    are results, one buffer each (``("g", x)``).  A gradient folded into a
+    constant (:attr:`memsaving.model.graph.TensorInfo.folded_gradient`) takes
+    no bytes in the step: it is counted in the model's resident bytes.
+
+    Examples
+    --------
+    >>> from memsaving.model.graph import chain_model
+    >>> grads = GradientBuffers(chain_model([4, 4]))
+    >>> y = grads.model.ys[0]
+    >>> reads, writes = [], []
+    >>> grads.add(y, reads, writes); grads.add(y, reads, writes)
+    >>> reads, [key for key, _ in writes]
+    ([('g', 2, 0)], [('g', 2, 0), ('g', 2, 1)])
+    """
+
+    def __init__(self, model: GraphModel):
+        self.model = model
+        self.sinks = gradient_sinks(model)
+        self.version: Dict[int, int] = {}
+
+    def has(self, t: int) -> bool:
+        """Whether a contribution to ``t``'s gradient (not a result's) was written."""
+        return t in self.version
+
+    def key(self, t: int) -> Key:
+        """The buffer holding ``t``'s gradient so far."""
+        return ("g", t) if t in self.sinks else ("g", t, self.version[t])
+
+    def add(self, t: int, reads: List[Key], writes: List[Tuple[Key, int]]) -> None:
+        """One contribution to ``t``'s gradient, by the action whose
+        ``reads`` and ``writes`` are given: it reads the running sum, if
+        any, and writes the new sum."""
+        info = self.model.tensors[t]
+        if t in self.sinks:
+            writes.append((("g", t), info.gradient_bytes))
+            return
+        if t in self.version:
+            reads.append(self.key(t))
+            self.version[t] += 1
+        else:
+            self.version[t] = 0
+        writes.append((self.key(t), 0 if info.folded_gradient else info.gradient_bytes))
+
+
 def step_actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List[Action], List[int]]:
     """The step's actions when ``kept`` ops' outputs are kept and the
     backward pass runs ``units`` (:func:`memsaving.model.schedule.backward_units`),
     and the index of the last action of each unit (the first entry is the
     end of the forward pass when the first unit is not the output unit)."""
     tensors = model.tensors
-    xs = gradient_sinks(model)  # their gradients are results, one buffer each
     actions: List[Action] = []
     for i, op in enumerate(model.ops):
         reads = [("f", t) for t in op.inputs if tensors[t].producer >= 0]
@@ -71,27 +118,11 @@ def step_actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[
             writes.append((saved_key(i), op.saved_bytes))
         actions.append(op_action(op, f"forward {op.name}", reads, writes))
 
-    grad_version: Dict[int, int] = {}
-
-    def grad_key(t):
-        return ("g", t, grad_version[t]) if t not in xs else ("g", t)
-
-    def add_gradient(t: int, reads: List[Key], writes: List[Tuple[Key, int]]):
-        """Contribution to the gradient of ``t``: a new buffer replacing the old sum."""
-        if t in xs:
-            writes.append((("g", t), tensors[t].gradient_bytes))
-            return
-        if t in grad_version:
-            reads.append(grad_key(t))
-            grad_version[t] += 1
-        else:
-            grad_version[t] = 0
-        writes.append((grad_key(t), 0 if tensors[t].folded_gradient else tensors[t].gradient_bytes))
-
+    grads = GradientBuffers(model)
     seed_writes: List[Tuple[Key, int]] = []
     for y in model.ys:
         if tensors[y].trainable:
-            add_gradient(y, [], seed_writes)
+            grads.add(y, [], seed_writes)
     actions.append(Action("seed gradients", [], seed_writes))
 
     sources: Dict[int, Key] = {}  # inner checkpoints rebuilt by advance units
@@ -102,7 +133,7 @@ def step_actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[
 
     def differentiate(i: int, local: Dict[int, Key], label: str):
         op = model.ops[i]
-        incoming = [grad_key(t) for t in op.outputs if t in grad_version]
+        incoming = [grads.key(t) for t in op.outputs if grads.has(t)]
         if not incoming:
             return
         saved = []
@@ -113,14 +144,14 @@ def step_actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[
         split = bool(op.input_grad_reads) and model.ready_gradients_early
         kernels = [(k,) for k in range(len(op.inputs))] if split else [tuple(range(len(op.inputs)))]
         for inputs in kernels:
-            targets = [op.inputs[k] for k in inputs if receives_gradient(model, op.inputs[k], xs)]
+            targets = [op.inputs[k] for k in inputs if receives_gradient(model, op.inputs[k], grads.sinks)]
             if not targets:
                 continue
             read = op.input_grad_reads[inputs[0]] if split else op.grad_reads
             reads: List[Key] = incoming + [source(t, local) for t in read] + saved
             writes: List[Tuple[Key, int]] = []
             for t in targets:
-                add_gradient(t, reads, writes)
+                grads.add(t, reads, writes)
             actions.append(op_action(op, f"{label} {op.name}", reads, writes, backward=True,
                                      results=result_keys(model, writes), share=len(kernels)))
 
@@ -136,7 +167,7 @@ def step_actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[
                     continue  # kept: its gradient reads the kept outputs
                 reads = [source(t, local) for t in op.inputs if tensors[t].producer >= 0]
                 # the copies wait on the anchor's output gradient
-                reads += [grad_key(t) for t in model.ops[unit.anchor].outputs if t in grad_version]
+                reads += [grads.key(t) for t in model.ops[unit.anchor].outputs if grads.has(t)]
                 writes = []
                 for t in op.outputs:
                     local[t] = (tag, unit.anchor, t)

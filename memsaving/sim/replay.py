@@ -25,7 +25,7 @@ from typing import Dict, Iterable, List, Sequence, Set, Tuple
 
 from memsaving.model.graph import GraphModel, gradient_sinks, receives_gradient
 from memsaving.model.schedule import UnitKind, backward_units, kept_set, recomputes_anchor
-from memsaving.sim.actions import BACKWARD_COST_FACTOR, op_action, result_keys, saved_key
+from memsaving.sim.actions import GradientBuffers, op_action, result_keys, saved_key
 from memsaving.model.buffers import Action, Key, memory_replay
 from memsaving.sim.simulate import Simulation
 
@@ -113,10 +113,12 @@ def simulate_schedule(model: GraphModel, events: Iterable[Event], keep_x_gradien
 
     Costs are reported like ``simulate``: ``forward_cost`` is one run of
     every op, ``recompute_cost`` the cost of every further run and
-    ``backward_cost`` ``BACKWARD_COST_FACTOR`` times the forward ops' cost.
+    ``backward_cost`` :meth:`~memsaving.model.graph.GraphModel.backward_cost`.
 
-    Raises:
-      ValueError: the schedule reads a tensor before it is computed, runs a
+    Raises
+    ------
+    ValueError
+        the schedule reads a tensor before it is computed, runs a
         gradient twice or before its outputs' gradients are complete, or
         leaves an op never computed or a needed gradient never run.
     """
@@ -126,39 +128,12 @@ def simulate_schedule(model: GraphModel, events: Iterable[Event], keep_x_gradien
     recompute = sum(a.cost for a in actions if a.label.startswith("recompute "))
     return Simulation(
         peak_bytes=model.resident_bytes + peak,
-        forward_cost=sum(op.cost for op in model.ops),
+        forward_cost=model.forward_cost(),
         recompute_cost=recompute,
-        backward_cost=BACKWARD_COST_FACTOR * sum(op.cost for op in model.ops if op.forward),
+        backward_cost=model.backward_cost(),
         timeline=timeline,
         labels=[a.label for a in actions],
     )
-
-
-class _Gradients:
-    """Gradient buffers with eager accumulation, keyed like ``simulate``'s
-    (``("g", t, version)``; ``("g", x)`` for ``xs``, one buffer per write)."""
-
-    def __init__(self, model: GraphModel):
-        self.model = model
-        self.xs = gradient_sinks(model)
-        self.version: Dict[int, int] = {}
-
-    def key(self, t: int) -> Key:
-        return ("g", t) if t in self.xs else ("g", t, self.version[t])
-
-    def add(self, t: int, reads: List[Key], writes: List[Tuple[Key, int]]) -> None:
-        """One contribution to ``t``'s gradient: reads the running sum, if
-        any, and writes the new sum (a new buffer)."""
-        nbytes = self.model.tensors[t].gradient_bytes
-        if t in self.xs:
-            writes.append((("g", t), nbytes))
-            return
-        if t in self.version:
-            reads.append(self.key(t))
-            self.version[t] += 1
-        else:
-            self.version[t] = 0
-        writes.append((self.key(t), nbytes))
 
 
 def schedule_actions(model: GraphModel, events: Sequence[Event]) -> List[Action]:
@@ -168,7 +143,7 @@ def schedule_actions(model: GraphModel, events: Sequence[Event]) -> List[Action]
     needed = gradient_ops(model)
     pending = _pending_contributions(model, needed)
     runs = [0] * len(model.ops)
-    grads = _Gradients(model)
+    grads = GradientBuffers(model)
     done: Set[int] = set()
     actions: List[Action] = []
     for kind, i in events:
@@ -218,7 +193,7 @@ def _forward_action(model: GraphModel, i: int, runs: List[int]) -> Action:
     return op_action(op, f"{label} {op.name}", reads, writes)
 
 
-def _seed_action(model: GraphModel, grads: _Gradients) -> Action:
+def _seed_action(model: GraphModel, grads: GradientBuffers) -> Action:
     writes: List[Tuple[Key, int]] = []
     for y in model.ys:
         if model.tensors[y].trainable:
@@ -226,7 +201,7 @@ def _seed_action(model: GraphModel, grads: _Gradients) -> Action:
     return Action("seed gradients", [], writes)
 
 
-def _backward_action(model: GraphModel, i: int, runs: List[int], grads: _Gradients, needed: Set[int],
+def _backward_action(model: GraphModel, i: int, runs: List[int], grads: GradientBuffers, needed: Set[int],
                      pending: Dict[int, int], done: Set[int]) -> Action:
     op = model.ops[i]
     if i not in needed:
@@ -236,16 +211,16 @@ def _backward_action(model: GraphModel, i: int, runs: List[int], grads: _Gradien
     if pending[i]:
         raise ValueError(f"gradient of {op.name} runs before {pending[i]} of its consumers' gradients")
     done.add(i)
-    reads = [grads.key(t) for t in op.outputs if t in grads.version]
+    reads = [grads.key(t) for t in op.outputs if grads.has(t)]
     reads += [_tensor_key(model, t, runs, f"gradient of {op.name}") for t in op.grad_reads
               if model.tensors[t].producer >= 0]
     if op.saved_bytes:
         reads.append(saved_key(i, runs[i]))  # what the latest computation kept
     writes: List[Tuple[Key, int]] = []
     for t in op.inputs:
-        if receives_gradient(model, t, grads.xs):
+        if receives_gradient(model, t, grads.sinks):
             grads.add(t, reads, writes)
             producer = model.tensors[t].producer
-            if producer in pending and t not in grads.xs:
+            if producer in pending and t not in grads.sinks:
                 pending[producer] -= 1
     return op_action(op, f"backward {op.name}", reads, writes, backward=True, results=result_keys(model, writes))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Iterable, List, Optional, Set, Tuple
 
-from memsaving.sim.actions import BACKWARD_COST_FACTOR, step_actions
+from memsaving.sim.actions import step_actions
 from memsaving.model.buffers import Action, Key, memory_replay
 from memsaving.sim.executor import unpinned_orders
 from memsaving.model.graph import GraphModel, gradient_sinks
@@ -28,11 +28,16 @@ from memsaving.sim.swap import CostModel, add_swaps, timed_replay
 class Simulation:
     """Result of replaying one plan.
 
-    Attributes:
-      peak_bytes: predicted peak (resident + live buffers).
-      forward_cost, recompute_cost, backward_cost: compute in the model's units.
-      timeline: bytes in use after each action (without resident memory).
-      labels: the action names, aligned with ``timeline``.
+    Attributes
+    ----------
+    peak_bytes
+        predicted peak (resident + live buffers).
+    forward_cost, recompute_cost, backward_cost
+        compute in the model's units.
+    timeline
+        bytes in use after each action (without resident memory).
+    labels
+        the action names, aligned with ``timeline``.
     """
 
     peak_bytes: int
@@ -60,6 +65,7 @@ class Simulation:
 def simulate(
     model: GraphModel,
     checkpoint_ops: Iterable[int] = (),
+    *,
     keep_x_gradients: bool = False,
     kept: Optional[Set[int]] = None,
     inner: Optional[Inner] = None,
@@ -72,22 +78,32 @@ def simulate(
 
     With no checkpoints this is plain backprop (tf.gradients).
 
-    Args:
-      model: the graph model.
-      checkpoint_ops: indices of ops whose outputs are kept.
-      keep_x_gradients: True when the gradients of ``xs`` stay alive until
+    Parameters
+    ----------
+    model
+        the graph model.
+    checkpoint_ops
+        indices of ops whose outputs are kept.
+    keep_x_gradients
+        True when the gradients of ``xs`` stay alive until
         the end (returned to the caller); False when each is consumed as soon
         as it is made (e.g. applied or reduced).
-      kept: the full kept set, when already computed.
-      inner: multi-level plans (:data:`memsaving.model.schedule.Inner`): inner
+    kept
+        the full kept set, when already computed.
+    inner
+        multi-level plans (:data:`memsaving.model.schedule.Inner`): inner
         checkpoints recomputed at the start of a segment's backward.
-      swapped: tensor ids copied to the host after the forward pass and back
+    swapped
+        tensor ids copied to the host after the forward pass and back
         before the backward pass reads them (:mod:`memsaving.sim.swap`).
-      cost: speeds of compute and transfers; with it (or with swaps) the
+    cost
+        speeds of compute and transfers; with it (or with swaps) the
         step is also timed on three streams, and the peak is the timed one.
-      inplace: differentiate kept ops whose inputs are all kept where they
+    inplace
+        differentiate kept ops whose inputs are all kept where they
         are instead of recomputing them (default: only when swapping).
-      unpinned: the step runs with no order added (plain ``tf.gradients``):
+    unpinned
+        the step runs with no order added (plain ``tf.gradients``):
         on a model whose executor runs several kernels at once, replay the
         actions in the orders :func:`memsaving.sim.executor.unpinned_orders`
         gives instead of the order they were written in, and score the one
@@ -111,14 +127,12 @@ def simulate(
     timeline, peak = memory_replay(actions, pinned)
     if swapped:
         peak = timed_peak
-    forward_cost = sum(op.cost for op in model.ops)
     recompute = sum(a.cost for a in actions if a.label.startswith(("recompute ", "advance ")))
-    backward = BACKWARD_COST_FACTOR * sum(op.cost for op in model.ops if op.forward)
     return Simulation(
         peak_bytes=model.resident_bytes + peak,
-        forward_cost=forward_cost,
+        forward_cost=model.forward_cost(),
         recompute_cost=recompute,
-        backward_cost=backward,
+        backward_cost=model.backward_cost(),
         timeline=timeline,
         labels=[a.label for a in actions],
         unit_ends=unit_ends,

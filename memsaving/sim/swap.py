@@ -26,23 +26,29 @@ from memsaving.model.buffers import Action, consumed_at_once, donations
 from memsaving.model.graph import GraphModel
 from memsaving.model.parameters import parameter_ops
 from memsaving.model.schedule import backward_units
-from memsaving.model.swapping import SWAP_IN_LEAD, SWAP_OUT_SLACK
+from memsaving.model.swapping import SWAP_IN_LEAD, SWAP_OUT_SLACK, swap_out_waiters
 
 
 @dataclass(frozen=True)
 class CostModel:
     """Speeds used to time a plan.
 
-    Attributes:
-      flops_per_second: sustained compute rate of the device (default
+    Attributes
+    ----------
+    flops_per_second
+        sustained compute rate of the device (default
         10 TFLOP/s, a mid-range GPU).
-      bandwidth: bytes per second each way between device and host (default
+    bandwidth
+        bytes per second each way between device and host (default
         16 GB/s, PCIe 3 x16).
-      lb: a swap-in starts after the compute action ``lb`` actions before its
+    lb
+        a swap-in starts after the compute action ``lb`` actions before its
         first consumer.
-      fuse_distance: consumers of a swapped tensor at most this many actions
+    fuse_distance
+        consumers of a swapped tensor at most this many actions
         apart share one swap-in.
-      out_slack: the forward ops this many steps after a swapped tensor's
+    out_slack
+        the forward ops this many steps after a swapped tensor's
         consumers wait for its swap-out (1: the consumers' consumers), so
         the device copy is freed early in the forward pass and not after it.
     """
@@ -140,11 +146,14 @@ def add_swaps(actions: Sequence, model: GraphModel, swapped: Iterable[int], forw
 
 
 def _forward_waiters(model: GraphModel, tensor: int, slack: int) -> List[int]:
-    """Forward ops ``slack + 1`` steps downstream of ``tensor`` (op indices)."""
-    frontier = set(model.consumers(tensor))
-    for _ in range(slack):
-        frontier = {c for i in frontier for t in model.ops[i].outputs for c in model.consumers(t)}
-    return sorted(i for i in frontier if model.ops[i].forward)
+    """Forward ops ``slack`` forward steps downstream of ``tensor``'s forward
+    readers (op indices; :func:`memsaving.model.swapping.swap_out_waiters`)."""
+
+    def forward_readers(i: int) -> List[int]:
+        return [c for t in model.ops[i].outputs for c in model.consumers(t) if model.ops[c].forward]
+
+    first = [c for c in model.consumers(tensor) if model.ops[c].forward]
+    return sorted(swap_out_waiters(first, forward_readers, slack))
 
 
 def timed_replay(actions: Sequence, cost: CostModel, pinned: Set = frozenset()) -> Tuple[float, int, List[float]]:

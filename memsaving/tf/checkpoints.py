@@ -25,8 +25,10 @@ def resolve_checkpoints(checkpoints: Checkpoints, fwd: ForwardGraph, model: Grap
     """Return the indices in ``model`` of the ops whose outputs are checkpoints,
     for ``"collection"`` or a list of tensors.
 
-    Raises:
-      CheckpointError: an unknown mode, a given tensor that is not between
+    Raises
+    ------
+    CheckpointError
+        an unknown mode, a given tensor that is not between
         xs and ys, or no checkpoint found.
     """
     if isinstance(checkpoints, str):

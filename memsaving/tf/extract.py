@@ -126,10 +126,14 @@ class CustomGradient:
     sigmoid), and returns None for the results, so the ops that computed
     them are never differentiated.
 
-    Attributes:
-      reads: the tensors of the op's graph the gradient reads.
-      stopped: positions of the inputs it returns no gradient for.
-      temp_bytes: the traced gradient's intermediates at their peak, beyond
+    Attributes
+    ----------
+    reads : tuple of tf.Tensor
+        the tensors of the op's graph the gradient reads.
+    stopped : frozenset of int
+        positions of the inputs it returns no gradient for.
+    temp_bytes : int
+        the traced gradient's intermediates at their peak, beyond
         its results (silu's recomputed sigmoid and products), counted with
         the simulator's rules; IdentityN is not profiled (its gradient
         cannot run apart from the graph it captured).
@@ -373,20 +377,27 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
                 profile: str = "off", seeded_with_ones: bool = True, in_use_bytes: int = 0) -> GraphModel:
     """The neutral model of the step that computes ``fwd.ys``.
 
-    Args:
-      fwd: the forward graph (defines which ops are differentiated).
-      batch_size: replaces unknown dimensions in sizes and costs.
-      resident_bytes: memory in use before the step; default: the bytes of the
+    Parameters
+    ----------
+    fwd : ForwardGraph
+        the forward graph (defines which ops are differentiated).
+    batch_size : int
+        replaces unknown dimensions in sizes and costs.
+    resident_bytes : int, optional
+        memory in use before the step; default: the bytes of the
         variables and inputs the step reads and of its folded gradient
         constants, or, when larger, ``in_use_bytes`` plus those constants.
-      in_use_bytes: what the device's allocator holds while planning
+    in_use_bytes : int
+        what the device's allocator holds while planning
         (:func:`memsaving.tf.measure.bytes_in_use`): the step's variables and
         inputs as the allocator places them (rounded, fragmented) and
         whatever else is held, all of which the measured peak includes.
-      profile: kernel temporaries and run times (:mod:`memsaving.tf.profiles`):
+    profile : str
+        kernel temporaries and run times (:mod:`memsaving.tf.profiles`):
         ``"measure"`` measures the op signatures the cache lacks,
         ``"cached"`` uses only cached profiles, ``"off"`` none.
-      seeded_with_ones: the gradient starts from ``tf.gradients``' default
+    seeded_with_ones : bool
+        the gradient starts from ``tf.gradients``' default
         seed (no ``grad_ys``), so gradients of it that read no data are
         constants (:func:`_folded_gradients`).
     """

@@ -91,12 +91,17 @@ def _consumers(tensor: tf.Tensor) -> list:
 class ForwardGraph:
     """Ops between ``xs`` and ``ys`` in topological (creation) order.
 
-    Attributes:
-      xs: the tensors gradients are taken with respect to (variables already
+    Attributes
+    ----------
+    xs : list
+        the tensors gradients are taken with respect to (variables already
         replaced by their handles, as tf.gradients does).
-      ys: the tensors being differentiated.
-      ops: the forward ops, sorted so every op comes after its inputs.
-      position: op -> index in ``ops``.
+    ys : list
+        the tensors being differentiated.
+    ops : list
+        the forward ops, sorted so every op comes after its inputs.
+    position : dict
+        op -> index in ``ops``.
     """
 
     xs: list
@@ -123,14 +128,20 @@ def forward_graph(
 ) -> ForwardGraph:
     """Find the forward ops between ``xs`` and ``ys``.
 
-    Args:
-      xs: graph tensors (variable handles for variables).
-      ys: graph tensors.
-      stop_gradients: tensors whose ops are treated as constants (as the
+    Parameters
+    ----------
+    xs
+        graph tensors (variable handles for variables).
+    ys
+        graph tensors.
+    stop_gradients
+        tensors whose ops are treated as constants (as the
         argument of the same name of tf.gradients).
 
-    Raises:
-      UnsupportedGraphError: the subgraph contains TF1-style control flow.
+    Raises
+    ------
+    UnsupportedGraphError
+        the subgraph contains TF1-style control flow.
     """
     stop_ops = {t.op for t in stop_gradients}
     reached = set()

@@ -27,8 +27,10 @@ def measure_peak(fn: Callable[..., Any], *args, device: Optional[str] = None, **
     is ``true`` before TensorFlow starts; ``import memsaving`` sets it when it
     is imported before TensorFlow.
 
-    Raises:
-      PeakMemoryUnavailableError: the device's allocator keeps no statistics.
+    Raises
+    ------
+    PeakMemoryUnavailableError
+        the device's allocator keeps no statistics.
     """
     device = device or default_device()
     reset_peak(device)

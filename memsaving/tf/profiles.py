@@ -78,20 +78,27 @@ SMALL = 1 << 20  # a function whose traffic is below this runs a few more times 
 class OpProfile:
     """What one op signature needs beyond its tensors, measured on a device.
 
-    Attributes:
-      temp_bytes: bytes the forward kernel holds while it runs beyond its
+    Attributes
+    ----------
+    temp_bytes : int
+        bytes the forward kernel holds while it runs beyond its
         inputs and outputs.
-      grad_temp_bytes: bytes the op's gradient holds while it runs beyond
+    grad_temp_bytes : int
+        bytes the op's gradient holds while it runs beyond
         what the simulator counts there: the gradient's inputs (upstream
         gradients, forward tensors it reads) and its results.
-      saved_bytes: bytes the forward op keeps for its gradient that are no
+    saved_bytes : int
+        bytes the forward op keeps for its gradient that are no
         output of the forward graph (a loop's accumulated intermediates,
         which building the gradient adds to the op).
-      output_bytes: bytes held by each output after the forward kernel ran;
+    output_bytes : tuple of int
+        bytes held by each output after the forward kernel ran;
         the only way to size variant outputs (TensorLists).
-      seconds, grad_seconds: median run times of the forward op and of its
+    seconds, grad_seconds : float or None
+        median run times of the forward op and of its
         gradient (call overhead removed); None when not measured.
-      ok: False when the op could not run alone; kept so that it is not
+    ok : bool
+        False when the op could not run alone; kept so that it is not
         tried again.
     """
 
@@ -124,13 +131,19 @@ def _optional_float(value) -> Optional[float]:
 class ProfileRun:
     """The profiles of one graph's ops and what it cost to get them.
 
-    Attributes:
-      profiles: op name -> its signature's profile (ops that were skipped or
+    Attributes
+    ----------
+    profiles
+        op name -> its signature's profile (ops that were skipped or
         not found in the cache are absent).
-      measured: signatures measured now.
-      cached: signatures found in the memory or disk cache.
-      missing: signatures neither cached nor measured (cache-only runs).
-      seconds: wall time spent, measuring included.
+    measured : int
+        signatures measured now.
+    cached : int
+        signatures found in the memory or disk cache.
+    missing : int
+        signatures neither cached nor measured (cache-only runs).
+    seconds : float
+        wall time spent, measuring included.
     """
 
     profiles: Dict[str, OpProfile] = field(default_factory=dict)
@@ -803,13 +816,18 @@ def profile_ops(ops: Sequence[tf.Operation], batch_size: int = 1, measure: bool 
                 cache: Optional[ProfileCache] = None) -> ProfileRun:
     """Profiles of ``ops`` (by op name), each signature measured at most once.
 
-    Args:
-      ops: graph ops (typically the forward ops of one gradient call).
-      batch_size: the size given to unknown dimensions, as in
+    Parameters
+    ----------
+    ops
+        graph ops (typically the forward ops of one gradient call).
+    batch_size : int
+        the size given to unknown dimensions, as in
         :func:`memsaving.tf.extract.graph_model`.
-      measure: measure signatures the cache does not hold (False: use the
+    measure : bool
+        measure signatures the cache does not hold (False: use the
         cache only).
-      cache: where profiles are kept (default: the process-wide cache).
+    cache : ProfileCache, optional
+        where profiles are kept (default: the process-wide cache).
 
     Ops that cannot run alone get no profile; so does everything when the
     device keeps no allocator statistics (a warning says so).

@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.util import object_identity
 
-from memsaving.model.swapping import SWAP_IN_LATEST, SWAP_IN_LEAD, SWAP_OUT_SLACK
+from memsaving.model.swapping import SWAP_IN_LATEST, SWAP_IN_LEAD, SWAP_OUT_SLACK, swap_out_waiters
 
 
 @dataclass(frozen=True)
@@ -217,10 +217,14 @@ def _descendants(op: tf.Operation) -> set:
 
 
 def _forward_waiters(tensor: tf.Tensor, slack: int, forward: set) -> List[tf.Operation]:
-    frontier = {c for c in tensor.consumers() if c in forward}
-    for _ in range(slack):
-        frontier = {c for op in frontier for out in op.outputs for c in out.consumers() if c in forward}
-    return sorted(frontier, key=lambda op: op.name)
+    """The forward ops that wait for ``tensor``'s swap-out
+    (:func:`memsaving.model.swapping.swap_out_waiters`)."""
+
+    def forward_readers(op: tf.Operation) -> List[tf.Operation]:
+        return [c for out in op.outputs for c in out.consumers() if c in forward]
+
+    first = [c for c in tensor.consumers() if c in forward]
+    return sorted(swap_out_waiters(first, forward_readers, slack), key=lambda op: op.name)
 
 
 def _trigger(consumer, consumer_level, options, level, by_level, position) -> Optional[tf.Operation]:

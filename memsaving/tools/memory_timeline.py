@@ -31,15 +31,22 @@ from memsaving.planners.planning import Plan
 class Timeline:
     """Predicted and measured memory of one gradient computation.
 
-    Attributes:
-      plan: the plan that ran.
-      predicted: bytes in use after each action (resident memory included).
-      labels: the actions, aligned with ``predicted``.
-      unit_ends: index in ``predicted`` where each measured interval ends.
-      measured: per interval (forward pass + output unit, then each backward
+    Attributes
+    ----------
+    plan : Plan
+        the plan that ran.
+    predicted : list of int
+        bytes in use after each action (resident memory included).
+    labels : list of str
+        the actions, aligned with ``predicted``.
+    unit_ends : list of int
+        index in ``predicted`` where each measured interval ends.
+    measured
+        per interval (forward pass + output unit, then each backward
         unit): ``(label, bytes in use at its end, peak during it)``, all above
         the memory in use before the step.
-      baseline: bytes in use before the step (variables, inputs).
+    baseline : int
+        bytes in use before the step (variables, inputs).
     """
 
     plan: Plan

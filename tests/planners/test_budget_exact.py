@@ -24,7 +24,8 @@ def test_budget_plans_are_near_the_exact_optimum():
                 with pytest.raises(BudgetError):
                     select_for_budget(model, candidates, budget)
                 continue
-            ops, peak = select_for_budget(model, candidates, budget)
+            proposal = select_for_budget(model, candidates, budget)
+            ops, peak = proposal.checkpoint_ops, proposal.peak
             assert peak <= budget
             step = 3 * model.forward_cost()
             ratios.append((step + simulate(model, ops).recompute_cost) / (step + optimum[1]))
