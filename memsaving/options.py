@@ -102,9 +102,11 @@ class Options:
     def cost_model(self) -> CostModel:
         """Speeds and swap timing for the simulator (swaps start ``swap_lb``
         actions ahead, as they are emitted)."""
-        lead = self.swap.emit.lb if self.swap.emit is not None else CostModel.lb
+        emit = self.swap.emit
+        lead = emit.lb if emit is not None else CostModel.lb
+        fuse = (emit.fuse_levels if emit.fuse else None) if emit is not None else CostModel.fuse_levels
         return CostModel(flops_per_second=self.hardware.flops_per_second, bandwidth=self.hardware.bandwidth,
-                         lb=lead)
+                         lb=lead, fuse_levels=fuse)
 
 
 def parse_options(keywords: Mapping[str, Any]) -> Options:

@@ -11,22 +11,22 @@ transfers overlap computation.
 Swap-ins are started by a *trigger*: the compute action ``lb`` actions
 before the first consumer (TFLMS's lower bound on the distance; this is the
 "direct order" strategy on the simulator's order).  Consumers of one tensor
-closer than ``fuse_distance`` actions share one swap-in; farther ones get
-their own, so a tensor is not held on the device across a long stretch of
-the backward pass.
+within ``fuse_levels`` topological levels of the backward pass share one
+swap-in, by the rule the emitter follows
+(:func:`memsaving.model.swapping.fused_groups`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, Iterable, List, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from memsaving.sim.actions import step_actions
 from memsaving.model.buffers import Action, consumed_at_once, donations
 from memsaving.model.graph import GraphModel
 from memsaving.model.parameters import parameter_ops
 from memsaving.model.schedule import backward_units
-from memsaving.model.swapping import SWAP_IN_LEAD, SWAP_OUT_SLACK, swap_out_waiters
+from memsaving.model.swapping import SWAP_FUSE_LEVELS, SWAP_IN_LEAD, SWAP_OUT_SLACK, fused_groups, swap_out_waiters
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,10 @@ class CostModel:
     lb
         a swap-in starts after the compute action ``lb`` actions before its
         first consumer.
-    fuse_distance
-        consumers of a swapped tensor at most this many actions
-        apart share one swap-in.
+    fuse_levels
+        consumers of a swapped tensor within this many topological levels
+        of their group's first one share one swap-in (None: each its own,
+        as ``swap_fuse=False`` emits them).
     out_slack
         the forward ops this many steps after a swapped tensor's
         consumers wait for its swap-out (1: the consumers' consumers), so
@@ -56,7 +57,7 @@ class CostModel:
     flops_per_second: float = 10e12
     bandwidth: float = 16e9
     lb: int = SWAP_IN_LEAD
-    fuse_distance: int = 50
+    fuse_levels: Optional[int] = SWAP_FUSE_LEVELS
     out_slack: int = SWAP_OUT_SLACK
 
 
@@ -100,6 +101,7 @@ def add_swaps(actions: Sequence, model: GraphModel, swapped: Iterable[int], forw
     renamed: Dict[Tuple[int, int], Tuple] = {}  # (action index, tensor) -> key it reads instead
     waits: Dict[int, list] = {}  # forward action index -> swap-outs it waits for
     planned = []  # (first reader, tensor, group index, group)
+    level = backward_levels(actions, forward_end)
     for t in sorted(swapped):
         info = model.tensors[t]
         readers = [i for i in range(forward_end + 1, len(actions)) if ("f", t) in actions[i].reads]
@@ -109,12 +111,7 @@ def add_swaps(actions: Sequence, model: GraphModel, swapped: Iterable[int], forw
             Action(f"swap-out {info.name}", [("f", t)], [(("h", t), 0)], float(info.nbytes), stream="d2h"))
         for waiter in _forward_waiters(model, t, cost.out_slack):
             waits.setdefault(waiter, []).append(("h", t))
-        groups: List[List[int]] = [[readers[0]]]
-        for i in readers[1:]:
-            if i - groups[-1][-1] > cost.fuse_distance:
-                groups.append([i])
-            else:
-                groups[-1].append(i)
+        groups = sorted(sorted(group) for group in fused_groups(readers, level.__getitem__, cost.fuse_levels))
         for k, group in enumerate(groups):
             planned.append((group[0], t, k, group))
             for i in group:
@@ -143,6 +140,19 @@ def add_swaps(actions: Sequence, model: GraphModel, swapped: Iterable[int], forw
         result.append(action)
         result.extend(after.get(i, ()))
     return result
+
+
+def backward_levels(actions: Sequence[Action], forward_end: int) -> Dict[int, int]:
+    """Topological level of each backward action (after ``forward_end``):
+    0 for those reading nothing another backward action writes, else one
+    more than the highest such writer, as the emitter numbers backward ops."""
+    writer: Dict = {}
+    level: Dict[int, int] = {}
+    for i in range(forward_end + 1, len(actions)):
+        level[i] = 1 + max((level[writer[key]] for key in actions[i].reads if key in writer), default=-1)
+        for key, _ in actions[i].writes:
+            writer[key] = i
+    return level
 
 
 def _forward_waiters(model: GraphModel, tensor: int, slack: int) -> List[int]:

@@ -34,7 +34,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.util import object_identity
 
-from memsaving.model.swapping import SWAP_IN_LATEST, SWAP_IN_LEAD, SWAP_OUT_SLACK, swap_out_waiters
+from memsaving.model.swapping import (SWAP_FUSE_LEVELS, SWAP_IN_LATEST, SWAP_IN_LEAD, SWAP_OUT_SLACK,
+                                     fused_groups, swap_out_waiters)
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class SwapOptions:
     lb: int = SWAP_IN_LEAD
     ub: int = SWAP_IN_LATEST
     fuse: bool = True
-    fuse_levels: int = 5
+    fuse_levels: int = SWAP_FUSE_LEVELS
     out_slack: int = SWAP_OUT_SLACK
 
     def __post_init__(self):
@@ -150,13 +151,7 @@ def insert_swaps(
                     return min(later)
             return level[op]
 
-        consumers.sort(key=effective)
-        groups: List[List[tf.Operation]] = []
-        for op in consumers:
-            if groups and options.fuse and effective(op) - effective(groups[-1][0]) <= options.fuse_levels:
-                groups[-1].append(op)
-            else:
-                groups.append([op])
+        groups = fused_groups(consumers, effective, options.fuse_levels if options.fuse else None)
         swap_out = backend.swap_out(t, options.device)
         for waiter in _forward_waiters(t, options.out_slack, forward_set):
             waiter._add_control_input(swap_out.op)  # pylint: disable=protected-access

@@ -27,6 +27,8 @@ def test_swap_keywords_reach_both_the_emitter_and_the_simulator():
     assert options.swap.emit == SwapOptions(device="/CPU:1", trigger="chain", lb=2, ub=9, fuse=False)
     cost = options.cost_model()
     assert (cost.lb, cost.bandwidth, cost.flops_per_second) == (2, 1e9, 2e12)
+    assert cost.fuse_levels is None  # unfused: the simulator gives every reader its own swap-in too
+    assert parse_options({"swap": True}).cost_model().fuse_levels == SwapOptions().fuse_levels
 
 
 def test_swap_options_are_read_only_when_swapping():

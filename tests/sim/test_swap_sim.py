@@ -80,8 +80,8 @@ def _skip_model(depth=30):
 def test_far_apart_consumers_get_their_own_swap_in():
     model = _skip_model()
     everything = list(range(len(model.ops) - 1))
-    fused = simulate(model, everything, swapped=[1], cost=CostModel(fuse_distance=1000))
-    apart = simulate(model, everything, swapped=[1], cost=CostModel(fuse_distance=5))
+    fused = simulate(model, everything, swapped=[1], cost=CostModel(fuse_levels=1000))
+    apart = simulate(model, everything, swapped=[1], cost=CostModel(fuse_levels=5))
     assert fused.labels.count("swap-in t1") == 1
     assert apart.labels.count("swap-in t1") == 2
     assert apart.peak_bytes <= fused.peak_bytes
