@@ -26,7 +26,7 @@ import gc
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
@@ -165,10 +165,25 @@ def is_lowest_plan(planned_for: int, predicted: int) -> bool:
     return predicted > planned_for
 
 
-def nothing_lower_to_try(rounds: Sequence[CalibrationRound], planned_for: int, predicted: int) -> bool:
+def nothing_lower_to_try(rounds: Sequence[CalibrationRound], planned_for: int, predicted: int,
+                         resident: int = 0) -> bool:
     """True when a new trace got the planner's lowest plan and it is predicted
-    no lower than the last plan measured: measuring it cannot help."""
-    return bool(rounds) and is_lowest_plan(planned_for, predicted) and predicted >= rounds[-1].predicted_peak
+    no lower than the last plan measured: measuring it cannot help.
+
+    The plans are compared above their resident bytes (``resident``, and the
+    last round's): a trace counts what the device holds when it is traced as
+    resident, so when the step leaves memory on the device at each trace, a
+    lower plan can be predicted at the same peak as the last one.
+    """
+    if not rounds or not is_lowest_plan(planned_for, predicted):
+        return False
+    return predicted - resident >= rounds[-1].predicted_peak - rounds[-1].resident
+
+
+def predicted_figures(plans: Sequence[Plan]) -> Tuple[int, int]:
+    """The largest predicted peak among a trace's plans, and the resident bytes of that plan."""
+    highest = max(plans, key=lambda plan: plan.predicted_peak)
+    return highest.predicted_peak, highest.resident_bytes
 
 
 @dataclass(frozen=True)
@@ -184,11 +199,15 @@ class CalibrationRound:
     highest of the round's measured runs."""
     spread: int = 0
     """The highest less the lowest peak of the round's measured runs."""
+    resident: int = 0
+    """The resident bytes of the plan predicted highest: variables, constants,
+    and what the device held when the step was traced."""
 
     @classmethod
-    def from_peaks(cls, planned_for: int, predicted_peak: int, peaks: Sequence[int]) -> "CalibrationRound":
+    def from_peaks(cls, planned_for: int, predicted_peak: int, peaks: Sequence[int],
+                   resident: int = 0) -> "CalibrationRound":
         """The round whose measured runs gave ``peaks``."""
-        return cls(planned_for, predicted_peak, max(peaks), max(peaks) - min(peaks))
+        return cls(planned_for, predicted_peak, max(peaks), max(peaks) - min(peaks), resident)
 
     @property
     def lowest(self) -> bool:
@@ -437,15 +456,15 @@ def fit_to_budget(
             traces += 1
             _check_plans(plans, round_number)
             planned_for = planning_budget_for(target, report.margin)
-            predicted = max(p.predicted_peak for p in plans)
-            if nothing_lower_to_try(report.rounds, planned_for, predicted):
+            predicted, resident = predicted_figures(plans)
+            if nothing_lower_to_try(report.rounds, planned_for, predicted, resident):
                 break
             if restore_variables and snapshot is None:
                 snapshot = [(v, np.array(v.numpy(), copy=True)) for v in concrete.variables]
             step(*args, **kwargs)  # warm-up: the first run of a graph allocates once-only buffers
             steps = LOWEST_MEASURED_STEPS if is_lowest_plan(planned_for, predicted) else MEASURED_STEPS
             peaks = [measure_peak(step, *args, device=device, **kwargs) for _ in range(steps)]
-            current = CalibrationRound.from_peaks(planned_for, predicted, peaks)
+            current = CalibrationRound.from_peaks(planned_for, predicted, peaks, resident)
             measured, room = current.measured_peak, room_needed(target, current.spread)
             report.rounds.append(current)
             for plan in plans:

@@ -41,7 +41,8 @@ import tensorflow as tf
 from memsaving.planners.budget import format_bytes, parse_bytes
 from memsaving.errors import PeakMemoryUnavailableError
 from memsaving.fit_budget import (MEASURED_STEPS, Calibration, CalibrationRound, budget_margin, calibration_error,
-                                  next_margin, nothing_lower_to_try, planning_budget_for, why_nothing_fits)
+                                  next_margin, nothing_lower_to_try, planning_budget_for, predicted_figures,
+                                  why_nothing_fits)
 from memsaving.api import gradients_and_plan
 from memsaving.tf.measure import default_device, peak_bytes, reset_peak
 from memsaving.planners.planning import Plan
@@ -463,7 +464,8 @@ class _Calibrator:
         """Raise when a trace took the planner's lowest plan and it is predicted no lower than the
         last plan measured: there is nothing lower left to try."""
         rounds, budget = self.report.rounds, self.report.budget
-        if nothing_lower_to_try(rounds, planning_budget_for(budget, self.report.margin), plan.predicted_peak):
+        if nothing_lower_to_try(rounds, planning_budget_for(budget, self.report.margin), plan.predicted_peak,
+                                plan.resident_bytes):
             raise calibration_error(f"memsaving.keras ({model.name})", budget, rounds,
                                     why_nothing_fits(budget, rounds, self.max_rounds), self.report)
 
@@ -515,8 +517,8 @@ class _Calibrator:
     def _judge(self, model: keras.Model, plans: List[Plan], peaks: List[int]) -> None:
         report = self.report
         budget = report.budget
-        current = CalibrationRound.from_peaks(planning_budget_for(budget, report.margin),
-                                              max(p.predicted_peak for p in plans), peaks)
+        predicted, resident = predicted_figures(plans)
+        current = CalibrationRound.from_peaks(planning_budget_for(budget, report.margin), predicted, peaks, resident)
         measured = current.measured_peak
         report.rounds.append(current)
         for plan in plans:
