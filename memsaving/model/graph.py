@@ -12,7 +12,7 @@ forward tensors backprop keeps alive, which is what checkpointing saves.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 BACKWARD_COST_FACTOR = 2.0
 """Backward of an op costs about twice its forward (two products for a
@@ -177,6 +177,20 @@ class GraphModel:
     _consumers: Optional[Dict[int, List[int]]] = field(default=None, repr=False)
     profile: Optional[ProfileSummary] = None
     """How kernel temporaries were profiled (None: never asked)."""
+    _derived: Dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def derived(self, name: str, compute: Callable[[], Any]) -> Any:
+        """``compute()``, run once per model and kept under ``name``.
+
+        For what depends on the model alone and every simulated plan
+        rebuilds otherwise (the forward pass's actions).  A model is not
+        changed once built; ``dataclasses.replace`` gives a new model, which
+        starts with nothing derived.
+        """
+        kept = vars(self).setdefault("_derived", {})  # absent from a model unpickled from an older version
+        if name not in kept:
+            kept[name] = compute()
+        return kept[name]
 
     @property
     def folded_gradient_bytes(self) -> int:

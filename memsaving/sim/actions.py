@@ -110,13 +110,8 @@ def step_actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[
     and the index of the last action of each unit (the first entry is the
     end of the forward pass when the first unit is not the output unit)."""
     tensors = model.tensors
-    actions: List[Action] = []
-    for i, op in enumerate(model.ops):
-        reads = [("f", t) for t in op.inputs if tensors[t].producer >= 0]
-        writes = [(("f", t), tensors[t].nbytes) for t in op.outputs]
-        if op.saved_bytes and op.forward:
-            writes.append((saved_key(i), op.saved_bytes))
-        actions.append(op_action(op, f"forward {op.name}", reads, writes))
+    forward, forward_written = model.derived("forward actions", lambda: _forward_actions(model))
+    actions: List[Action] = list(forward)
 
     grads = GradientBuffers(model)
     seed_writes: List[Tuple[Key, int]] = []
@@ -188,7 +183,23 @@ def step_actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[
         unit_ends.append(len(actions) - 1)
     if not units or units[0].kind != UnitKind.OUTPUT:
         unit_ends.insert(0, len(model.ops))  # the seed: the forward pass ends there
-    return _pin_view_bases(model, actions), unit_ends
+    backward = actions[len(forward):]
+    return forward + _pin_view_bases(model, backward, forward_written), unit_ends
+
+
+def _forward_actions(model: GraphModel) -> Tuple[List[Action], Set[Key]]:
+    """The forward pass's actions, the same in every plan (views pinned,
+    see :func:`_pin_view_bases`), and the keys they write."""
+    tensors = model.tensors
+    actions: List[Action] = []
+    for i, op in enumerate(model.ops):
+        reads = [("f", t) for t in op.inputs if tensors[t].producer >= 0]
+        writes = [(("f", t), tensors[t].nbytes) for t in op.outputs]
+        if op.saved_bytes and op.forward:
+            writes.append((saved_key(i), op.saved_bytes))
+        actions.append(op_action(op, f"forward {op.name}", reads, writes))
+    written = {key for action in actions for key, _ in action.writes}
+    return _pin_view_bases(model, actions, written), written
 
 
 def ready_gradients_first(recompute: List[Action], backward: List[Action]) -> List[Action]:
@@ -238,18 +249,22 @@ def _view_bases(model: GraphModel) -> Dict[int, int]:
     return base
 
 
-def _pin_view_bases(model: GraphModel, actions: List[Action]) -> List[Action]:
+def _pin_view_bases(model: GraphModel, actions: List[Action], written_before: Set[Key]) -> List[Action]:
     """Make every read of a view also read the buffer it shares.
 
     A view has no bytes of its own, but TensorFlow frees a buffer only when
     its last view is gone: a kept view (a checkpoint on a Reshape, as Keras
     puts around a Dense on 3-D inputs, Conv1D's ExpandDims/Squeeze, attention
     heads) keeps the activation it views alive until its segment.  Counted
-    free, such views would look like the cheapest checkpoints of all."""
-    base = _view_bases(model)
+    free, such views would look like the cheapest checkpoints of all.
+
+    ``written_before``: the keys written by the actions of the step that
+    come before ``actions`` (the forward pass, for the backward actions).
+    """
+    base = model.derived("view bases", lambda: _view_bases(model))
     if not base:
         return actions
-    written = {key for action in actions for key, _ in action.writes}
+    written = written_before | {key for action in actions for key, _ in action.writes}
     pinned = []
     for action in actions:
         extra = []

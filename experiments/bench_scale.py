@@ -1,0 +1,150 @@
+"""What planning costs on large graphs, next to the plain trace it is added to.
+
+For each model, a whole training step (forward, gradients, a scalar of the
+gradients) is traced in a ``tf.function``, and CPU seconds (this process,
+all threads) are measured side by side in one run:
+
+* ``plain``: the step traced with ``tf.gradients``;
+* ``plan(memory)``: ``memsaving.plan(loss, weights, checkpoints="memory")``
+  called inside a trace of the forward pass (the call alone is timed);
+* ``plan(budget)``: ``memsaving.plan(..., budget=B)`` with ``B`` halfway
+  between the memory-mode prediction and the plain one;
+* ``BudgetError``: ``plan(..., budget=)`` one byte above the resident
+  memory, which no plan fits: the time until the error;
+* ``memsaving``: the step traced with ``memsaving.gradients(...,
+  checkpoints="memory")``.
+
+Kernel-temporary profiles are measured once per op signature and cached
+(``MEMSAVING_CACHE_DIR``, a fresh folder per run here): a first untimed
+``plan(memory)`` fills the cache, and its extra time is printed as
+``profiling``.  Ratios are to the plain trace.  Targets (issue 17):
+plan(memory) <= 0.3x, plan(budget) and the BudgetError <= 0.5x, the
+memsaving trace <= 1.5x.
+
+    python -m experiments.bench_scale [--models resnet152 densenet201 ...] [--batch 2] [--size 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("MEMSAVING_CACHE_DIR", tempfile.mkdtemp(prefix="memsaving-bench-scale-"))
+
+import memsaving  # noqa: E402  (sets up the allocator before TensorFlow)
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from memsaving.tools import models  # noqa: E402
+
+MODELS = {
+    "resnet152": lambda size: keras.applications.ResNet152(weights=None, input_shape=(size, size, 3), classes=10),
+    "densenet201": lambda size: keras.applications.DenseNet201(weights=None, input_shape=(size, size, 3), classes=10),
+    "transformer48": lambda size: models.transformer(size=size, layers=48),
+    "mlp1600": lambda size: models.mlp(size=size, depth=1600),
+    "resnet50": lambda size: keras.applications.ResNet50(weights=None, input_shape=(size, size, 3), classes=10),
+}
+
+
+def input_spec(model: keras.Model, batch: int) -> tf.TensorSpec:
+    shape = [batch] + list(model.inputs[0].shape[1:])
+    return tf.TensorSpec(shape, model.inputs[0].dtype)
+
+
+def cpu_seconds(fn) -> tuple:
+    """``fn()``'s result and the CPU seconds it took (``time.process_time``)."""
+    start = time.process_time()
+    result = fn()
+    return result, time.process_time() - start
+
+
+def trace_step(model: keras.Model, spec: tf.TensorSpec, gradients) -> float:
+    """CPU seconds to trace a training step whose gradients come from ``gradients(loss, weights)``."""
+
+    def step(x):
+        loss = tf.reduce_mean(tf.square(model(x, training=True)))
+        grads = gradients(loss, model.trainable_variables)
+        return tf.add_n([tf.reduce_sum(g) for g in grads if g is not None])
+
+    return cpu_seconds(lambda: tf.function(step).get_concrete_function(spec))[1]
+
+
+def timed_plan(model: keras.Model, spec: tf.TensorSpec, **plan_kwargs) -> tuple:
+    """The plan (or the BudgetError) and the CPU seconds ``memsaving.plan`` took inside a trace."""
+    found = {}
+
+    def forward(x):
+        loss = tf.reduce_mean(tf.square(model(x, training=True)))
+        start = time.process_time()
+        try:
+            found["result"] = memsaving.plan(loss, model.trainable_variables, **plan_kwargs)
+        except memsaving.BudgetError as error:
+            found["result"] = error
+        found["seconds"] = time.process_time() - start
+        return loss
+
+    tf.function(forward).get_concrete_function(spec)
+    return found["result"], found["seconds"]
+
+
+def count_forward_ops(model: keras.Model, spec: tf.TensorSpec) -> int:
+    graph = tf.function(lambda x: model(x, training=True)).get_concrete_function(spec).graph
+    return len(graph.get_operations())
+
+
+def measure(name: str, batch: int, size: int) -> dict:
+    model = MODELS[name](size)
+    spec = input_spec(model, batch)
+    figures = {"model": name, "ops": count_forward_ops(model, spec)}
+    _, cold = timed_plan(model, spec, checkpoints="memory")
+    figures["plain"] = trace_step(model, spec, tf.gradients)
+    memory_plan, figures["plan(memory)"] = timed_plan(model, spec, checkpoints="memory")
+    figures["profiling"] = max(0.0, cold - figures["plan(memory)"])
+    budget = int(memory_plan.predicted_peak + 0.5 * (memory_plan.plain_peak - memory_plan.predicted_peak))
+    budget_plan, figures["plan(budget)"] = timed_plan(model, spec, checkpoints="memory", budget=budget)
+    figures["budget_fits"] = not isinstance(budget_plan, Exception)
+    error, figures["BudgetError"] = timed_plan(model, spec, checkpoints="memory",
+                                               budget=memory_plan.resident_bytes + 1)
+    figures["error_raised"] = isinstance(error, memsaving.BudgetError)
+    figures["memsaving"] = trace_step(
+        model, spec, lambda loss, xs: memsaving.gradients(loss, xs, checkpoints="memory"))
+    return figures
+
+
+COLUMNS = [("plan(memory)", 0.3), ("plan(budget)", 0.5), ("BudgetError", 0.5), ("memsaving", 1.5)]
+
+
+def report(rows) -> None:
+    head = f"{'model':<14}{'ops':>7}{'plain s':>9}" + "".join(f"{c + ' s':>16}{'x':>7}" for c, _ in COLUMNS)
+    print(head + f"{'profiling s':>13}")
+    for r in rows:
+        line = f"{r['model']:<14}{r['ops']:>7}{r['plain']:>9.1f}"
+        for column, target in COLUMNS:
+            ratio = r[column] / r["plain"]
+            line += f"{r[column]:>16.1f}{ratio:>6.2f}{'' if ratio <= target else '!'}"
+        print(line + f"{r['profiling']:>13.1f}")
+        if not r["budget_fits"] or not r["error_raised"]:
+            print(f"  (budget plan found: {r['budget_fits']}; BudgetError raised: {r['error_raised']})")
+    print("targets: " + ", ".join(f"{c} <= {t}x plain" for c, t in COLUMNS) + "; '!' marks a miss")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--size", type=int, default=64)
+    args = parser.parse_args(argv)
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 20000))  # Keras walks a 1,600-layer model recursively
+    rows = []
+    for name in args.models:
+        rows.append(measure(name, args.batch, args.size))
+        print(f"measured {name}", flush=True)
+        keras.backend.clear_session()
+    report(rows)
+
+
+if __name__ == "__main__":
+    main()
