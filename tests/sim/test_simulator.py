@@ -150,3 +150,15 @@ def test_ready_gradients_first_examples():
     runner = doctest.DocTestRunner()
     runner.run(tests[0])
     assert runner.failures == 0
+
+
+def test_a_replaced_model_is_simulated_afresh():
+    """The forward actions are built once per model (``GraphModel.derived``): a model made from
+    it by ``dataclasses.replace`` with larger tensors must not reuse them."""
+    from dataclasses import replace as replaced
+
+    small = chain_model([4, 4, 4, 4])
+    assert simulate(small).peak_bytes == simulate(small).peak_bytes  # the second run reuses the first's actions
+    larger = replaced(small, tensors={t: replaced(info, nbytes=info.nbytes * 10) for t, info in small.tensors.items()})
+    fresh = chain_model([40, 40, 40, 40])
+    assert simulate(larger).peak_bytes == simulate(fresh).peak_bytes > simulate(small).peak_bytes
