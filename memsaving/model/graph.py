@@ -174,7 +174,6 @@ class GraphModel:
     resident_bytes: int = 0
     separate_result_kernels: bool = False
     ready_gradients_early: bool = False
-    _consumers: Optional[Dict[int, List[int]]] = field(default=None, repr=False)
     profile: Optional[ProfileSummary] = None
     """How kernel temporaries were profiled (None: never asked)."""
     _derived: Dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -182,15 +181,15 @@ class GraphModel:
     def derived(self, name: str, compute: Callable[[], Any]) -> Any:
         """``compute()``, run once per model and kept under ``name``.
 
-        For what depends on the model alone and every simulated plan
-        rebuilds otherwise (the forward pass's actions).  A model is not
-        changed once built; ``dataclasses.replace`` gives a new model, which
-        starts with nothing derived.
+        For what depends on the model alone and is asked for again and
+        again (the consumers of each tensor; the forward pass's actions,
+        which every simulated plan would rebuild).  A model is not changed
+        once built; ``dataclasses.replace`` gives a new model, which starts
+        with nothing derived.
         """
-        kept = vars(self).setdefault("_derived", {})  # absent from a model unpickled from an older version
-        if name not in kept:
-            kept[name] = compute()
-        return kept[name]
+        if name not in self._derived:
+            self._derived[name] = compute()
+        return self._derived[name]
 
     @property
     def folded_gradient_bytes(self) -> int:
@@ -200,13 +199,14 @@ class GraphModel:
 
     def consumers(self, tensor: int) -> List[int]:
         """Indices of the ops reading ``tensor``."""
-        if self._consumers is None:
-            table: Dict[int, List[int]] = {}
-            for i, op in enumerate(self.ops):
-                for t in set(op.inputs):
-                    table.setdefault(t, []).append(i)
-            self._consumers = table
-        return self._consumers.get(tensor, [])
+        return self.derived("consumers", self._consumer_table).get(tensor, [])
+
+    def _consumer_table(self) -> Dict[int, List[int]]:
+        table: Dict[int, List[int]] = {}
+        for i, op in enumerate(self.ops):
+            for t in set(op.inputs):
+                table.setdefault(t, []).append(i)
+        return table
 
     def op_index(self) -> Dict[str, int]:
         return {op.name: i for i, op in enumerate(self.ops)}
