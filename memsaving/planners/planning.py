@@ -112,6 +112,12 @@ class Plan:
     """Op signatures whose profiles came from the cache."""
     profile_seconds: float = 0.0
     """Time spent profiling, measuring and cache look-ups included."""
+    largest_work_buffer: int = 0
+    """Bytes of the largest kernel temporary (work buffer) of any op of the
+    step, forward or gradient, as profiled (0 when not profiled).  Every
+    op runs in every plan, so no plan's peak goes below it: on a device
+    whose convolution kernels take a large work buffer, it is the floor
+    that recomputation cannot lower."""
 
     def explain(self, file: Optional[TextIO] = None) -> str:
         """Print a readable table of the plan (to ``file``, default stdout) and return it."""
@@ -144,7 +150,8 @@ class Plan:
             out.write(f"\nsized for batch {self.batch_size} ({self.batch_source})")
         if self.profile_mode == "measure" or self.cached_signatures:
             out.write(f"\nkernel temporaries: {self.profiled_signatures} op signatures profiled, "
-                      f"{self.cached_signatures} from cache, {self.profile_seconds:.1f} s")
+                      f"{self.cached_signatures} from cache, {self.profile_seconds:.1f} s; "
+                      f"the largest work buffer {self.largest_work_buffer / mib:.1f} MiB (no plan goes below it)")
         out.write(f"\npredicted compute {self.predicted_compute:.2f}x a plain step")
         if self.predicted_seconds is not None and self.plain_seconds:
             out.write(f"; predicted step time {self.predicted_seconds / self.plain_seconds:.2f}x plain "
@@ -231,6 +238,7 @@ def make_plan(
         plain_seconds=plain.step_seconds,
         steps=steps,
         simulation=sim,
+        largest_work_buffer=max((max(op.temp_bytes, op.grad_temp_bytes) for op in model.ops), default=0),
         **_profile_fields(model),
     )
 
