@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Iterable, List, Optional, Set, Tuple
+from typing import FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from memsaving.sim.actions import step_actions
 from memsaving.model.buffers import Action, Key, memory_replay
@@ -111,7 +111,28 @@ def simulate(
     """
     if kept is None:
         kept = kept_set(model, checkpoint_ops)
-    swapped = set(swapped)
+    swapped = frozenset(swapped)
+    key = (frozenset(kept), tuple(sorted((a, tuple(v)) for a, v in (inner or {}).items() if v)),
+           keep_x_gradients, swapped, cost, inplace, unpinned)
+    done = model.derived("simulations", dict)
+    if key not in done:
+        if len(done) >= _REMEMBERED:
+            del done[next(iter(done))]  # the oldest
+        done[key] = _replay(model, kept, keep_x_gradients, inner, swapped, cost, inplace, unpinned)
+    return done[key]
+
+
+_REMEMBERED = 128
+"""Simulations kept per model.  The planners score the same plan from
+several searches (the budget search and the lowest-peak search share their
+greedy and evenly spaced plans; ``plan`` then ``gradients`` score the
+chosen plan again), and a model never changes, so a plan is replayed once."""
+
+
+def _replay(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: Optional[Inner],
+            swapped: FrozenSet[int], cost: Optional[CostModel], inplace: Optional[bool],
+            unpinned: bool) -> Simulation:
+    """The replay behind :func:`simulate`, run once per model and plan."""
     units = backward_units(model, kept, inner, inplace=bool(swapped) if inplace is None else inplace)
     actions, unit_ends = step_actions(model, kept, units)
     pinned = {("g", x) for x in gradient_sinks(model)} if keep_x_gradients else set()

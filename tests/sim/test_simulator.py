@@ -162,3 +162,22 @@ def test_a_replaced_model_is_simulated_afresh():
     larger = replaced(small, tensors={t: replaced(info, nbytes=info.nbytes * 10) for t, info in small.tensors.items()})
     fresh = chain_model([40, 40, 40, 40])
     assert simulate(larger).peak_bytes == simulate(fresh).peak_bytes > simulate(small).peak_bytes
+
+
+def test_a_plan_is_replayed_once_per_model_and_arguments():
+    """``simulate`` remembers its replays per model: the same plan asked again (as the budget and
+    lowest-peak searches do) is the same Simulation, and any argument that changes the replay gives
+    another one, equal to a replay on a model that remembers nothing."""
+    model = chain_model([4, 8, 4, 8, 4, 8])
+    first = simulate(model, [1, 3])
+    assert simulate(model, [3, 1]) is first
+    assert simulate(model, kept=kept_set(model, [1, 3])) is first
+    for changed in (dict(checkpoint_ops=[1]), dict(checkpoint_ops=[1, 3], keep_x_gradients=True),
+                    dict(checkpoint_ops=[1, 3], unpinned=True),
+                    dict(checkpoint_ops=[1, 3], swapped=[model.ops[1].outputs[0]]),
+                    dict(checkpoint_ops=[1, 3], cost=CostModel(bandwidth=1e9))):
+        again = simulate(model, **changed)
+        assert again is not first
+        unremembered = chain_model([4, 8, 4, 8, 4, 8])
+        assert again.peak_bytes == simulate(unremembered, **changed).peak_bytes
+        assert again.timeline == simulate(unremembered, **changed).timeline
