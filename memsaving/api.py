@@ -32,6 +32,7 @@ from memsaving.tf.loop_pinning import pin_loop_iterations
 from memsaving.tf.rewrite import BackwardBuilder
 from memsaving.model.schedule import kept_set
 from memsaving.options import ACCEPTED_KEYWORDS, SWAP_KEYS, Options, parse_options
+from memsaving.sim.allowance import DEFAULT_PLANNING_SECONDS, planning_allowance
 from memsaving.sim.swap import swap_candidates
 from memsaving.tf.swap_rewrite import insert_swaps
 
@@ -144,7 +145,12 @@ def gradients(
         forward pass computes in float16 or bfloat16 (Grappler rewrites ops
         that carry control edges differently, and in half precision the
         gradients would then round differently from tf.gradients'); with
-        ``swap`` it is always off (the swaps order the step themselves).
+        ``swap`` it is always off (the swaps order the step themselves);
+        ``planning_time``: the seconds of simulation the planner may spend
+        (default 30, None for no limit), counted in replayed actions so that
+        plans are the same on every machine (:mod:`memsaving.sim.allowance`);
+        when it is spent the best plan found so far is used, and
+        ``Plan.explain()`` says so.
 
     Stateful ops (variable reads, random ops, calls with side effects) and
     control-flow ops are never recomputed; their outputs are kept.
@@ -445,7 +451,10 @@ def _plan(ys, xs, checkpoints, budget, options: Options, seeded_with_ones: bool 
     profile = _profile_mode(options.planner.profile, checkpoints, budget)
     model = graph_model(fwd, batch_size=batch_size, profile=profile, seeded_with_ones=seeded_with_ones,
                         in_use_bytes=bytes_in_use())
-    fwd, plan_ = _plan_for_model(fwd, model, checkpoints, planned_for, options, _calibration.planning_or_lowest())
+    with planning_allowance(options.planner.planning_time) as allowance:
+        fwd, plan_ = _plan_for_model(fwd, model, checkpoints, planned_for, options, _calibration.planning_or_lowest())
+    plan_.planning_seconds = allowance.spent_seconds
+    plan_.planning_stopped = options.planner.planning_time if allowance.stopped else None
     if planned_for is not budget:
         plan_.budget = parse_bytes(budget)  # the budget asked for; the predicted peak fits the lower one
     plan_.batch_size = batch_size
@@ -494,6 +503,7 @@ def plan(
     keep_x_gradients: bool = False,
     stop_gradients=None,
     profile: Optional[bool] = None,
+    planning_time: Optional[float] = DEFAULT_PLANNING_SECONDS,
     **swap_kwargs,
 ) -> Plan:
     """The plan ``gradients`` would execute, with its predicted peak and compute.
@@ -517,6 +527,9 @@ def plan(
         True (default here: a plan is asked for its predictions)
         measures each op's kernel temporaries and run times on this device,
         whatever the checkpoints; False leaves them out.
+    planning_time
+        the seconds of simulation the planner may spend, as for
+        :func:`gradients` (default 30; None: no limit).
     **swap_kwargs
         ``swap`` and its options, as for :func:`gradients`.
 
@@ -554,7 +567,7 @@ def plan(
     _check_tensors(xs, "xs")
     options = parse_options({"stop_gradients": stop_gradients, "batch_size": batch_size,
                              "keep_x_gradients": keep_x_gradients, "profile": True if profile is None else profile,
-                             **swap_kwargs})
+                             "planning_time": planning_time, **swap_kwargs})
     ys, xs = _graph_tensors(ys, xs)
     return _plan(ys, xs, checkpoints, budget, options)[1]
 

@@ -509,7 +509,7 @@ def why_nothing_fits(budget: int, rounds: Sequence[CalibrationRound], max_rounds
         return (f"no plan fits the budget of {format_bytes(budget)} even as predicted, and the lowest plan "
                 "the planner finds measures above it:")
     if rounds and rounds[-1].lowest:
-        return (f"to leave room for the measured excess the planner must plan below its lowest plan, "
+        return ("to leave room for the measured excess the planner must plan below its lowest plan, "
                 "which measures above the budget. Measured so far:")
     if len(rounds) < max_rounds:
         return ("to leave room for the measured excess the planner must plan lower, and its lowest plan "

@@ -17,6 +17,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
+from memsaving.sim.allowance import DEFAULT_PLANNING_SECONDS
 from memsaving.sim.swap import CostModel
 from memsaving.tf.swap_rewrite import SwapOptions
 
@@ -27,7 +28,7 @@ SWAP_KEYS = ("swap", "swap_device", "swap_trigger", "swap_lb", "swap_ub", "swap_
              "flops_per_second", "swap_backend")
 
 ACCEPTED_KEYWORDS = frozenset(PASSED_THROUGH + ("name", "stop_gradients", "unconnected_gradients", "batch_size")
-                              + SWAP_KEYS + ("profile", "follow_order"))
+                              + SWAP_KEYS + ("profile", "follow_order", "planning_time"))
 """The keywords ``memsaving.gradients`` takes besides ys, xs, grad_ys, checkpoints and budget."""
 
 
@@ -60,12 +61,15 @@ class PlannerOptions:
     """How the step is sized and planned.
 
     ``profile`` is the user's choice (None: decided from the checkpoints
-    and budget, see ``memsaving.api``)."""
+    and budget, see ``memsaving.api``); ``planning_time`` the seconds of
+    simulation a plan may take (None: no limit; see
+    :mod:`memsaving.sim.allowance`)."""
 
     batch_size: int = 1
     batch_size_given: bool = False
     keep_x_gradients: bool = False
     profile: Optional[bool] = None
+    planning_time: Optional[float] = DEFAULT_PLANNING_SECONDS
 
 
 @dataclass(frozen=True)
@@ -150,7 +154,17 @@ def _planner_options(keywords: Mapping[str, Any]) -> PlannerOptions:
         batch_size_given=keywords.get("batch_size") is not None,
         keep_x_gradients=bool(keywords.get("keep_x_gradients", False)),
         profile=None if profile is None else bool(profile),
+        planning_time=_planning_time(keywords.get("planning_time", DEFAULT_PLANNING_SECONDS)),
     )
+
+
+def _planning_time(value) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value > 0:
+        raise ValueError(f"planning_time={value!r} is not supported: give the seconds of simulation a plan may "
+                         "take as a positive number (default 30), or None for no limit")
+    return float(value)
 
 
 def _batch_size(value) -> int:

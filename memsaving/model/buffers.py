@@ -45,9 +45,19 @@ class Action:
     """Measured run time; timed replays use it instead of ``cost``."""
 
 
+def with_reads(action: Action, reads: List[Key]) -> Action:
+    """A copy of ``action`` that reads ``reads`` (``dataclasses.replace``
+    without its per-call field checks: replays make thousands)."""
+    copied = object.__new__(Action)
+    copied.__dict__.update(action.__dict__)
+    copied.reads = reads
+    return copied
+
+
 def donations(actions: Sequence[Action], last_read: Dict[Key, int], pinned: Set[Key] = frozenset(),
               last_end: Optional[Dict[Key, float]] = None,
-              finished: Optional[Sequence[float]] = None) -> Dict[Tuple[int, Key], Key]:
+              finished: Optional[Sequence[float]] = None,
+              size: Optional[Dict[Key, int]] = None) -> Dict[Tuple[int, Key], Key]:
     """Buffers handed over in place: ``(action index, written key) -> read
     key`` whose buffer the write takes over.
 
@@ -56,15 +66,23 @@ def donations(actions: Sequence[Action], last_read: Dict[Key, int], pinned: Set[
     at most one of its writes.  In timed replays (``last_end``: when each
     buffer's last reader ends; ``finished``: when each action ends), a
     buffer is handed over only if no reader ends after the action.
+    ``size``: each key's bytes as its last write gives them, when the
+    caller has them already.
     """
-    size: Dict[Key, int] = {key: nbytes for action in actions for key, nbytes in action.writes}
+    forwarding = [i for i, action in enumerate(actions) if action.forwards_buffers]
+    if not forwarding:
+        return {}
+    if size is None:
+        size = {key: nbytes for action in actions for key, nbytes in action.writes}
     given: Dict[Tuple[int, Key], Key] = {}
-    for i, action in enumerate(actions):
-        if not action.forwards_buffers:
+    for i in forwarding:
+        action = actions[i]
+        donors = [key for key in dict.fromkeys(action.reads) if last_read.get(key) == i]
+        if not donors:
             continue
         written = {key for key, _ in action.writes}
-        donors = [key for key in dict.fromkeys(action.reads)
-                  if last_read.get(key) == i and key not in pinned and key not in written and size.get(key, 0) > 0
+        donors = [key for key in donors
+                  if key not in pinned and key not in written and size.get(key, 0) > 0
                   and (last_end is None or last_end[key] <= finished[i])]
         for key, nbytes in action.writes:
             donor = next((d for d in donors if size[d] == nbytes), None)
@@ -98,30 +116,40 @@ def memory_replay(actions: List[Action], pinned: Set[Key]) -> Tuple[List[int], i
     for i, action in enumerate(actions):
         for key in action.reads:
             last_read[key] = i
-    dies_at: Dict[int, List[Key]] = {}
+    dies_at: List[List[Key]] = [[] for _ in actions]
+    size: Dict[Key, int] = {}
     for i, action in enumerate(actions):
-        for key, _ in action.writes:
+        for key, nbytes in action.writes:
+            size[key] = nbytes
             if key not in pinned:
-                dies_at.setdefault(max(last_read.get(key, i), i), []).append(key)
-    given = donations(actions, last_read, pinned)
+                end = last_read.get(key, i)
+                dies_at[end if end > i else i].append(key)
+    given = donations(actions, last_read, pinned, size=size)
     live: Dict[Key, int] = {}
     in_use = 0
     peak = 0
     timeline = []
     for i, action in enumerate(actions):
-        transient = {key: nbytes for key, nbytes in action.writes
-                     if consumed_at_once(key, action, i, last_read, pinned)}
-        peak = max(peak, in_use + max(transient.values(), default=0))
+        transient = ()
+        if action.results:
+            transient = {key: nbytes for key, nbytes in action.writes
+                         if consumed_at_once(key, action, i, last_read, pinned)}
+        if transient:
+            peak = max(peak, in_use + max(transient.values()))
+        elif in_use > peak:
+            peak = in_use
         for key, nbytes in action.writes:
             if key in transient:
                 continue
-            donor = given.get((i, key))
-            if donor is not None:
-                in_use -= live.pop(donor, 0)  # the write takes over its buffer
+            if given:
+                donor = given.get((i, key))
+                if donor is not None:
+                    in_use -= live.pop(donor, 0)  # the write takes over its buffer
             in_use += nbytes - live.get(key, 0)
             live[key] = nbytes
-        peak = max(peak, in_use + action.temp)  # the kernel's work buffers, freed when it ends
-        for key in dies_at.get(i, ()):
+        if in_use + action.temp > peak:
+            peak = in_use + action.temp  # the kernel's work buffers, freed when it ends
+        for key in dies_at[i]:
             in_use -= live.pop(key, 0)
         timeline.append(in_use)
     return timeline, peak

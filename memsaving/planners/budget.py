@@ -29,6 +29,7 @@ from memsaving.model.proposal import Proposal
 from memsaving.planners.nested import nested_plan, thinned_chain
 from memsaving.planners.refine import refined_plans
 from memsaving.model.schedule import kept_set, validate_inner
+from memsaving.sim.allowance import stopped, used_up
 from memsaving.sim.simulate import simulate
 
 _UNITS = {
@@ -98,16 +99,21 @@ def _surrogate_dp(chain: Chain, budget: float, buckets: int = 256) -> Optional[L
         # from every earlier cut a at once: state j (kept units so far) must
         # leave room for the stretch (a, b]
         allowed = np.floor((budget - chain.memory_to(b)) / scale)
-        recompute = np.zeros(b) if last else chain.cost_to(b)
-        candidate = np.where(columns[None, :] <= allowed[:, None], best[:b] + recompute[:, None], inf)
-        origin = np.argmin(candidate, axis=0)
-        value = candidate[origin, columns]
+        # Only earlier cuts that leave room, and only the states they allow:
+        # the rest of the table stays infinite (the same argmin, far fewer cells).
+        rows = np.flatnonzero(allowed >= 0)
         shift = 0 if last else int(kept_units[b - 1])
         width = size - shift
-        if width <= 0:
+        if width <= 0 or not rows.size:
             continue
-        best[b, shift:] = value[:width]
-        parent[b, shift:] = np.where(np.isfinite(value[:width]), origin[:width], -1)
+        reach = int(min(allowed[rows].max(), width - 1)) + 1
+        recompute = np.zeros(b) if last else chain.cost_to(b)
+        candidate = np.where(columns[None, :reach] <= allowed[rows, None],
+                             best[rows, :reach] + recompute[rows, None], inf)
+        picked = np.argmin(candidate, axis=0)
+        value = candidate[picked, columns[:reach]]
+        best[b, shift:shift + reach] = value
+        parent[b, shift:shift + reach] = np.where(np.isfinite(value), rows[picked], -1)
     final = best[m + 1]
     if not np.isfinite(final).any():
         return None
@@ -174,7 +180,9 @@ def _search(
     # 1. the surrogate DP, tightened until the simulated peak fits
     chain = _chain(model, cuts)
     target = float(budget - model.resident_bytes)
-    for _ in range(rounds):
+    for round_ in range(rounds):
+        if round_ and used_up():
+            break
         picked = _surrogate_dp(chain, target) if target > 0 else None
         if picked is None:
             break
@@ -189,14 +197,14 @@ def _search(
             sum(model.tensors[t].nbytes for t in op.outputs) if op.forward else 0 for op in model.ops])])
         cut_bytes = [before[max(cut) + 1] for cut in cuts]
     for chosen in greedy_plans(cut_bytes, model.activation_bytes()):
-        if len(cache) >= max_evaluations:
+        if len(cache) >= max_evaluations or (cache and used_up()):
             break
         consider(chosen)
     # 2b. evenly spaced plans of a dozen sizes (cheap, and robust where the
     #    surrogate misjudges)
     m = len(cuts)
     for k in sorted({int(v) for v in np.geomspace(1, max(m, 1), 12)}):
-        if len(cache) >= max_evaluations:
+        if len(cache) >= max_evaluations or (cache and used_up()):
             break
         consider(tuple(sorted({int(round((j + 1) * (m + 1) / (k + 1))) - 1 for j in range(k)} & set(range(m)))))
     # 3. local search over add / drop / shift-by-one moves.  While nothing
@@ -208,7 +216,7 @@ def _search(
 
     current = best if best is not None else (min(cache, key=lambda c: cache[c][1]) if cache else ())
     improved = True
-    while improved and len(cache) < max_evaluations:
+    while improved and len(cache) < max_evaluations and not used_up():
         improved = False
         members = list(current)
         moves = [tuple(c for c in members if c != drop) for drop in members]
@@ -220,7 +228,7 @@ def _search(
         if score(current)[0] == 1:  # adding only helps while nothing fits
             moves += [tuple(sorted(members + [k])) for k in range(m) if k not in members]
         for move in moves:
-            if len(cache) >= max_evaluations:
+            if len(cache) >= max_evaluations or used_up():
                 break
             if score(move) < score(current):
                 current = move
@@ -277,11 +285,13 @@ def select_for_budget(
 
 def _raise_infeasible(model: GraphModel, budget: int, lowest_peak: int):
     floor = feasible_budget(lowest_peak)
+    cut_short = (" Planning stopped at its planning_time before it had tried every plan it would: a larger "
+                 "planning_time= (or None) may find a plan that fits.") if stopped() else ""
     raise BudgetError(
         f"no checkpoint plan fits the budget of {format_bytes(budget)}; the smallest feasible "
         f"budget found is {format_bytes(floor)} ({floor} bytes), of which "
         f"{format_bytes(model.resident_bytes)} are in use before the step (parameters, inputs and "
-        "what the device already holds). Raise the budget, or reduce the batch size."
+        "what the device already holds). Raise the budget, or reduce the batch size." + cut_short
     )
 
 
@@ -306,6 +316,8 @@ def lowest_peak_plan(
     options = [((plain.peak_bytes, 0.0), [])] + [
         ((peak, cost), _ops_of(found.cuts, chosen)) for chosen, (cost, peak) in found.evaluated.items()]
     for ops in low_peak_plans(model, found.cuts):
+        if used_up():
+            break
         sim = simulate(model, ops, keep_x_gradients=keep_x_gradients)
         options.append(((sim.peak_bytes, sim.recompute_cost), ops))
     (peak, cost), ops = min(options, key=lambda option: option[0])
@@ -426,6 +438,8 @@ def _lowest_plan(model: GraphModel, candidates, keep_x_gradients: bool, cut_byte
     resident = model.resident_bytes
     activations = simulate(model, keep_x_gradients=keep_x_gradients).peak_bytes - resident
     for fraction in (0.3, 0.15, 0.08, 0.04):
+        if used_up():
+            break
         target = resident + int(fraction * activations)
         for nested, sim in _nested_search(model, candidates, target, keep_x_gradients, rounds=5):
             if (sim.peak_bytes, sim.recompute_cost) < (best.peak, best.recompute_cost):
@@ -449,6 +463,8 @@ def _nested_search(model: GraphModel, candidates, budget: int, keep_x_gradients:
     low, high = np.log(0.3 * real), np.log(3.0 * real)
     found = []
     for _ in range(rounds):
+        if used_up():
+            break
         middle = 0.5 * (low + high)
         proposal = nested_plan(model, cuts, summary, float(np.exp(middle)))
         if proposal is None:

@@ -28,6 +28,7 @@ from memsaving.errors import BudgetError, feasible_budget
 from memsaving.model.graph import GraphModel
 from memsaving.model.proposal import Proposal
 from memsaving.model.schedule import UnitKind, backward_units, kept_set
+from memsaving.sim.allowance import used_up
 from memsaving.sim.simulate import simulate
 from memsaving.sim.swap import CostModel, swap_candidates
 
@@ -98,6 +99,8 @@ def plan_hybrid(
     current = _score(model, "hybrid", start_ops, [], cost, keep_x_gradients)
     visited = [current]
     for _ in range(max_rounds):
+        if used_up():
+            break
         kept = kept_set(model, current.checkpoint_ops)
         swapped = set(current.swapped)
         options = set(swap_candidates(model, kept))
@@ -115,7 +118,11 @@ def plan_hybrid(
             moves.append((current.checkpoint_ops, sorted(swapped - {t})))
         if len(visited) + len(moves) > max_evaluations:
             moves = moves[: max(0, max_evaluations - len(visited))]
-        scored = [_score(model, "hybrid", ops, sw, cost, keep_x_gradients) for ops, sw in moves]
+        scored = []
+        for ops, sw in moves:
+            if scored and used_up():
+                break  # the planning time is spent: choose among the moves scored so far
+            scored.append(_score(model, "hybrid", ops, sw, cost, keep_x_gradients))
         visited.extend(scored)
         if not scored:
             break

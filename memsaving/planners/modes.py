@@ -17,6 +17,7 @@ from memsaving.planners.budget import lowest_peak_plan
 from memsaving.errors import CheckpointError
 from memsaving.model.graph import GraphModel
 from memsaving.model.proposal import Proposal
+from memsaving.sim.allowance import used_up
 from memsaving.sim.simulate import simulate
 
 logger = logging.getLogger("memsaving")
@@ -71,6 +72,12 @@ def _lowest_peak(model: GraphModel, cuts, keep_x_gradients: bool) -> Proposal:
         root = max(1, int(round(len(pool) ** 0.5)))
         for count in sorted({max(1, root // 2), root, min(len(pool), 2 * root)}):
             options.append(candidates.sqrtn_sets(model, pool, count))
-    options.append(lowest_peak_plan(model, [cut for cut, _ in cuts], cut_bytes=[b for _, b in cuts]).checkpoint_ops)
-    scored = [_scored(model, ops, keep_x_gradients, "") for ops in options]
+    scored = []
+    for ops in options:
+        if scored and used_up():
+            break
+        scored.append(_scored(model, ops, keep_x_gradients, ""))
+    if not used_up():
+        lowest = lowest_peak_plan(model, [cut for cut, _ in cuts], cut_bytes=[b for _, b in cuts])
+        scored.append(_scored(model, lowest.checkpoint_ops, keep_x_gradients, ""))
     return min(scored, key=lambda proposal: (proposal.peak, proposal.recompute_cost))

@@ -112,6 +112,12 @@ class Plan:
     """Op signatures whose profiles came from the cache."""
     profile_seconds: float = 0.0
     """Time spent profiling, measuring and cache look-ups included."""
+    planning_seconds: float = 0.0
+    """Simulation the planner spent on this plan, in seconds of the
+    ``planning_time`` allowance (:mod:`memsaving.sim.allowance`)."""
+    planning_stopped: Optional[float] = None
+    """The ``planning_time`` at which the planner stopped searching and
+    returned the best plan found so far (None: it finished its search)."""
     largest_work_buffer: int = 0
     """Bytes of the largest kernel temporary (work buffer) of any op of the
     step, forward or gradient, as profiled (0 when not profiled).  Every
@@ -152,6 +158,9 @@ class Plan:
             out.write(f"\nkernel temporaries: {self.profiled_signatures} op signatures profiled, "
                       f"{self.cached_signatures} from cache, {self.profile_seconds:.1f} s; "
                       f"the largest work buffer {self.largest_work_buffer / mib:.1f} MiB (no plan goes below it)")
+        if self.planning_stopped is not None:
+            out.write(f"\nplanning stopped at planning_time={self.planning_stopped:g} s of simulation: the best "
+                      "plan found by then (a larger planning_time, or None, searches further)")
         out.write(f"\npredicted compute {self.predicted_compute:.2f}x a plain step")
         if self.predicted_seconds is not None and self.plain_seconds:
             out.write(f"; predicted step time {self.predicted_seconds / self.plain_seconds:.2f}x plain "

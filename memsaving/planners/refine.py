@@ -27,6 +27,7 @@ from typing import List, Optional, Sequence, Set, Tuple
 from memsaving.model.graph import GraphModel
 from memsaving.model.proposal import Proposal
 from memsaving.model.schedule import RECOMPUTING, backward_units, kept_set
+from memsaving.sim.allowance import used_up
 from memsaving.sim.simulate import Simulation, simulate
 
 
@@ -72,6 +73,8 @@ def keep_more(
     order = sorted(recomputed_ops(model, current),
                    key=lambda i: -model.ops[i].cost / max(_output_bytes(model, i), 1))
     for i in order[:limit]:
+        if used_up():
+            break
         if i in current:
             continue
         trial = sorted(current + [i])
@@ -115,6 +118,8 @@ def drop_from_keep_all(
     score = (sim.peak_bytes, _excess(sim, model, budget))
     order = sorted(candidates, key=lambda i: model.ops[i].cost / _output_bytes(model, i))
     for i in order[:limit]:
+        if used_up():
+            break
         trial = sorted(current - {i})
         trial_sim = simulate(model, trial, keep_x_gradients=keep_x_gradients)
         trial_score = (trial_sim.peak_bytes, _excess(trial_sim, model, budget))
@@ -137,6 +142,8 @@ def _steepest_drops(model: GraphModel, current: Set[int], sim: Simulation, budge
     while sim.peak_bytes > budget:
         best = None
         for i in sorted(current):
+            if used_up():
+                return None
             trial = simulate(model, sorted(current - {i}), keep_x_gradients=keep_x_gradients)
             gain = sim.peak_bytes - trial.peak_bytes
             if gain <= 0:

@@ -8,10 +8,9 @@ them to find what a plan keeps between the passes.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Dict, List, Sequence, Set, Tuple
 
-from memsaving.model.buffers import Action, Key
+from memsaving.model.buffers import Action, Key, with_reads
 from memsaving.model.graph import BACKWARD_COST_FACTOR, GraphModel, OpInfo, gradient_sinks, receives_gradient
 from memsaving.model.schedule import RECOMPUTING, Unit, UnitKind, recomputes_anchor
 
@@ -275,5 +274,5 @@ def _pin_view_bases(model: GraphModel, actions: List[Action], written_before: Se
             target = same_copy if same_copy in written else ("f", base[key[-1]])
             if target in written and target not in action.reads and target not in extra:
                 extra.append(target)
-        pinned.append(replace(action, reads=list(action.reads) + extra) if extra else action)
+        pinned.append(with_reads(action, list(action.reads) + extra) if extra else action)
     return pinned

@@ -17,6 +17,7 @@ from itertools import accumulate
 from typing import FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from memsaving.sim.actions import step_actions
+from memsaving.sim.allowance import charge
 from memsaving.model.buffers import Action, Key, memory_replay
 from memsaving.sim.executor import unpinned_orders
 from memsaving.model.graph import GraphModel, gradient_sinks
@@ -146,6 +147,7 @@ def _replay(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: Op
             unit_ends = _shifted(unit_ends, actions)
         step_seconds, timed_peak, _ = timed_replay(actions, cost, pinned)
     timeline, peak = memory_replay(actions, pinned)
+    charge(len(actions))
     if swapped:
         peak = timed_peak
     recompute = sum(a.cost for a in actions if a.label.startswith(("recompute ", "advance ")))

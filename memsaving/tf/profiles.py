@@ -23,12 +23,11 @@ import json
 import logging
 import os
 import platform
-import sys
 import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, TextIO, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -38,6 +37,7 @@ from tensorflow.python.ops import handle_data_util, resource_variable_ops
 
 from memsaving.tf.forward import ops_made_in
 from memsaving.tf.loop_pinning import pin_loop_iterations
+from memsaving.model.progress import Progress
 
 logger = logging.getLogger("memsaving")
 
@@ -779,36 +779,6 @@ class ProfileCache:
 CACHE = ProfileCache()
 
 
-# ------------------------------------------------------------------------------------------ progress
-
-
-class _Progress:
-    """``memsaving: profiling kernels 12/40`` on stderr, shown only once the
-    work has taken a second (short runs print nothing)."""
-
-    def __init__(self, total: int, stream: Optional[TextIO] = None, delay: float = 1.0):
-        self.total = total
-        self.stream = stream if stream is not None else sys.stderr
-        self.delay = delay
-        self.start = time.perf_counter()
-        self.live = hasattr(self.stream, "isatty") and self.stream.isatty()
-
-    def update(self, done: int) -> None:
-        elapsed = time.perf_counter() - self.start
-        if elapsed < self.delay or not self.live:
-            return
-        self.stream.write(f"\rmemsaving: profiling kernels {done}/{self.total} ({elapsed:.0f} s)")
-        self.stream.flush()
-
-    def close(self) -> None:
-        elapsed = time.perf_counter() - self.start
-        if elapsed < self.delay:
-            return
-        end = "\r" if self.live else ""
-        self.stream.write(f"{end}memsaving: profiled {self.total} kernel signatures in {elapsed:.1f} s\n")
-        self.stream.flush()
-
-
 # ------------------------------------------------------------------------------------------ driver
 
 
@@ -892,11 +862,11 @@ def _measure_all(todo: List[Tuple[str, _Recipe]], device: str, cache: ProfileCac
                            "(import memsaving before tensorflow, or set TF_CPU_ALLOCATOR_USE_BFC=true)", device)
             return {}
         overhead = _call_overhead()
-        progress = _Progress(len(todo))
+        progress = Progress()
         for done, (key, recipe) in enumerate(todo):
-            progress.update(done)
+            progress.update(f"memsaving: profiling kernels {done}/{len(todo)}")
             measured[key] = _measure_one(recipe, memory, overhead)
-        progress.close()
+        progress.close(f"memsaving: profiled {len(todo)} kernel signatures")
     cache.put(measured)
     return measured
 

@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 import memsaving
+from helpers import mlp_weights, tanh_mlp
 from memsaving.options import ACCEPTED_KEYWORDS, parse_options
 from memsaving.sim.swap import CostModel
 from memsaving.tf.swap_rewrite import SwapOptions
@@ -55,7 +56,7 @@ def test_every_accepted_keyword_is_parsed():
     parsed_fields = {"name", "unconnected_gradients", "stop_gradients", "follow_order", "batch_size", "profile",
                      "swap", "swap_device", "swap_trigger", "swap_lb", "swap_ub", "swap_fuse", "swap_backend",
                      "bandwidth", "flops_per_second", "gate_gradients", "aggregation_method",
-                     "colocate_gradients_with_ops"}
+                     "colocate_gradients_with_ops", "planning_time"}
     assert ACCEPTED_KEYWORDS == parsed_fields
 
 
@@ -81,3 +82,37 @@ def test_one_stop_gradient_tensor_as_tf_gradients_takes_it():
         else:
             np.testing.assert_allclose(p.numpy(), o.numpy(), rtol=1e-5)
     assert plain[0] is None  # the stop cuts the first layers off
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "30s", True, float("nan")])
+def test_a_bad_planning_time_says_what_to_pass(value):
+    with pytest.raises(ValueError, match="planning_time=.*positive number.*None for no limit"):
+        parse_options({"planning_time": value})
+    assert parse_options({}).planner.planning_time == 30.0
+    assert parse_options({"planning_time": None}).planner.planning_time is None
+
+
+def test_a_spent_planning_time_keeps_the_gradients_and_says_so():
+    """planning_time so small that the search stops at its first plans: the plan found so far runs,
+    its gradients are tf.gradients', and the plan says it stopped; without a limit it does not."""
+    weights = mlp_weights(24, width=32)
+    found = {}
+
+    @tf.function
+    def step(x):
+        loss = tf.reduce_sum(tanh_mlp(x, weights))
+        lowest = memsaving.plan(loss, weights, checkpoints="memory", profile=False)
+        budget = (lowest.predicted_peak + lowest.plain_peak) // 2
+        ours, found["short"] = memsaving.gradients_and_plan(loss, weights, budget=budget, planning_time=1e-6,
+                                                            profile=False)
+        found["full"] = memsaving.plan(loss, weights, budget=budget, planning_time=None, profile=False)
+        plain = tf.gradients(loss, weights)
+        return tf.reduce_max([tf.reduce_max(tf.abs(a - b)) for a, b in zip(ours, plain)])
+
+    assert float(step(tf.ones([64, 32]))) <= 1e-6
+    short, full = found["short"], found["full"]
+    assert short.planning_stopped == 1e-6 and full.planning_stopped is None
+    assert "planning stopped at planning_time=1e-06 s" in short.table()
+    assert "planning stopped" not in full.table()
+    assert 0 < short.planning_seconds < full.planning_seconds
+    assert short.predicted_compute >= full.predicted_compute
