@@ -46,6 +46,8 @@ from memsaving.fit_budget import (MEASURED_STEPS, Calibration, CalibrationRound,
 from memsaving.api import gradients_and_plan
 from memsaving.tf.measure import default_device, peak_bytes, reset_peak
 from memsaving.planners.planning import Plan
+from memsaving.options import parse_options
+from memsaving.sim.allowance import DEFAULT_PLANNING_SECONDS
 
 logger = logging.getLogger("memsaving")
 
@@ -61,6 +63,7 @@ def enable(
     batch_size: Optional[int] = None,
     verbose: bool = True,
     calibration_rounds: int = 4,
+    planning_time: Optional[float] = DEFAULT_PLANNING_SECONDS,
 ) -> keras.Model:
     """Make ``model.fit`` / ``train_on_batch`` compute gradients with memsaving.
 
@@ -98,6 +101,9 @@ def enable(
         steps. The error lists every round; its ``smallest_budget`` is the
         lowest peak measured plus 2%. :func:`calibration_of` returns the rounds;
         calling ``enable`` again starts a new calibration.
+    planning_time : float or None
+        the seconds of simulation each plan may spend, as for
+        :func:`memsaving.gradients` (default 30; None: no limit).
 
     XLA (``jit_compile=True``) schedules the whole step itself and would
     ignore the recomputation order, so it is turned off for this model
@@ -131,6 +137,7 @@ def enable(
     if isinstance(calibration_rounds, bool) or not isinstance(calibration_rounds, int) or calibration_rounds < 0:
         raise ValueError(f"calibration_rounds={calibration_rounds!r}: give an int >= 0, how many measured "
                          "plans may be above the budget in a row (0 turns measuring off)")
+    parse_options({"planning_time": planning_time})  # a bad value fails here, not at the first step
     calibrator = None
     if budget is not None and calibration_rounds:
         calibrator = _Calibrator(parse_bytes(budget), calibration_rounds)  # a bad budget fails here
@@ -141,6 +148,7 @@ def enable(
         "swap": swap,
         "batch_size": batch_size,
         "verbose": verbose,
+        "planning_time": planning_time,
         "calibrator": calibrator,
         "jit_compile": previous["jit_compile"] if previous else model.jit_compile,
     }
@@ -660,6 +668,7 @@ def _train_step(self: keras.Model, data):
             grads, plan = gradients_and_plan(
                 loss, weights, checkpoints=settings["checkpoints"], budget=settings["budget"],
                 batch_size=unknown_size, swap=settings["swap"] or None,
+                planning_time=settings.get("planning_time", DEFAULT_PLANNING_SECONDS),
             )
         if calibrator:
             calibrator.check_lowest(self, plan)

@@ -84,6 +84,17 @@ def test_budget_and_train_on_batch():
     assert plan.mode == "budget" and plan.budget == 2 ** 30
 
 
+def test_planning_time_reaches_the_keras_step():
+    keras.utils.set_random_seed(0)
+    model = _sequential()
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="planning_time"):
+        mkeras.enable(model, planning_time=-1)
+    mkeras.enable(model, budget="1GiB", verbose=False, calibration_rounds=0, planning_time=1e-9)
+    model.train_on_batch(np.ones((32, 16), "float32"), np.zeros((32, 4), "float32"))
+    assert mkeras.plan_of(model).planning_stopped == 1e-9
+
+
 def test_enable_then_disable_restores_keras(capsys):
     keras.utils.set_random_seed(0)
     model = _sequential()
