@@ -4,6 +4,7 @@ Usage (from the repository root)::
 
     python3 experiments/bench_treedecomp.py              # full run (about 20 minutes)
     python3 experiments/bench_treedecomp.py --quick      # under 30 s
+    python3 experiments/bench_treedecomp.py --limits     # issue 17: wide min-fill, time limits, PACE gap (~3 min)
     .venv/bin/python experiments/bench_treedecomp.py --tf   # adds Keras training-step op graphs
 
 For every graph it reports, for min-fill and min-degree, our width and
@@ -14,6 +15,15 @@ it exceeds its cap (``--nx-cap`` seconds for PACE instances,
 run shows as ``>cap``.  Times are wall-clock seconds of the decomposition
 call alone (graph construction excluded) on an otherwise idle machine.
 Every decomposition of ours is validated (outside the timed region).
+
+``--limits`` measures, side by side in one run, the three figures of issue
+17: min-fill CPU seconds and width on a random 3-regular graph of 10,000
+vertices (width about 2,000); ``improve(timeout=T)`` wall-clock seconds
+against ``T`` on the largest PACE heuristic instance and on random
+3-regular graphs (stand-ins for PACE instance he150, which is not shipped);
+and the PACE exact summed-width gap with ``improve`` at ``--gap-timeout``
+seconds per instance (sum of widths / sum of optima - 1, and the number of
+instances solved optimally).  ``--only`` picks some of the three.
 """
 
 from __future__ import annotations
@@ -238,6 +248,97 @@ def pace_heuristic(cap, improve_s=1.0):
         bench_graph(p.name.split(".")[0], T.read_gr(p), cap, improve_s)
 
 
+# ----------------------------------------------------------------- issue 17: limits
+def wide_min_fill(n=10000, seed=0):
+    """Min-fill CPU seconds and width on ``random_regular_graph(3, n, seed)``."""
+    G = nx.random_regular_graph(3, n, seed=seed)
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    td = T.min_fill(G)
+    cpu = time.process_time() - c0
+    wall = time.perf_counter() - t0
+    T.validate(G, td)
+    print(f"min-fill on random 3-regular n={n} seed={seed}: width {td.width}, {cpu:.2f} CPU s ({wall:.2f} s wall)")
+    return td.width, cpu
+
+
+def limit_graphs():
+    """(name, graph) pairs on which ``improve``'s time limit is checked."""
+    out = []
+    he = DATA / "pace2017-heuristic" / "he123.gr.xz"
+    if he.is_file():
+        out.append(("he123", T.read_gr(he)))
+    out.append(("3-regular 5k", nx.random_regular_graph(3, 5000, seed=0)))
+    out.append(("3-regular 10k", nx.random_regular_graph(3, 10000, seed=0)))
+    return out
+
+
+def timeout_kept(timeouts=(0.25, 1.0, 3.0)):
+    """``improve(timeout=T)``: wall seconds against ``T``, and the width reached."""
+    print("improve(G, timeout=T, seed=0): wall-clock seconds of the call against T (limit 1.1 T)")
+    print(f"  {'graph':<14} {'n':>6} {'T':>5} {'wall s':>7} {'CPU s':>6} {'ratio':>6} {'width':>6} {'runs':>5}")
+    worst = 0.0
+    for name, G in limit_graphs():
+        for tmo in timeouts:
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            res = T.improve_with_stats(G, timeout=tmo, seed=0)
+            wall = time.perf_counter() - t0
+            cpu = time.process_time() - c0
+            T.validate(G, res.decomposition)
+            worst = max(worst, wall / tmo)
+            print(
+                f"  {name:<14} {G.number_of_nodes():>6} {tmo:>5.2f} {wall:>7.3f} {cpu:>6.2f} {wall / tmo:>6.2f} "
+                f"{res.decomposition.width:>6} {res.runs:>5}",
+                flush=True,
+            )
+    print(f"  worst wall / T: {worst:.2f}")
+    return worst
+
+
+def pace_gap(per_instance=1.0, seed=0):
+    """Summed-width gap of ``improve`` on the PACE exact instances."""
+    d = DATA / "pace2017-exact"
+    if not (d / "treewidth.txt").is_file():
+        print(f"(PACE exact instances not found at {d}; skipped)")
+        return None
+    optima = {a: int(b) for a, b in (line.split() for line in (d / "treewidth.txt").read_text().splitlines() if line)}
+    total = opt_sum = optimal = 0
+    worst = 0.0
+    cpu = 0.0
+    for name in sorted(optima):
+        G = T.read_gr(d / f"{name}.gr.xz")
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        td = T.improve(G, timeout=per_instance, seed=seed)
+        worst = max(worst, (time.perf_counter() - t0) / per_instance)
+        cpu += time.process_time() - c0
+        T.validate(G, td)
+        assert td.width >= optima[name], name
+        total += td.width
+        opt_sum += optima[name]
+        optimal += td.width == optima[name]
+    gap = total / opt_sum - 1
+    print(
+        f"PACE exact, improve(timeout={per_instance}, seed={seed}) per instance: width sum {total}, "
+        f"optimum sum {opt_sum}, gap {100 * gap:.2f}%, optimal on {optimal}/{len(optima)}; "
+        f"worst wall / T {worst:.2f}; {cpu:.0f} CPU s in all"
+    )
+    return gap, optimal
+
+
+def limits(only, gap_timeout):
+    """The ``--limits`` run: the three measurements of issue 17, in one process."""
+    if "minfill" in only:
+        wide_min_fill()
+        print()
+    if "timeouts" in only:
+        timeout_kept()
+        print()
+    if "gap" in only:
+        pace_gap(gap_timeout)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small graphs, short caps: finishes in < 30 s")
@@ -247,7 +348,15 @@ def main(argv=None):
         "--nx-cap-large", type=float, default=400.0, help="seconds allowed to networkx per synthetic/TF graph"
     )
     ap.add_argument("--skip-pace", action="store_true")
+    ap.add_argument("--limits", action="store_true", help="issue 17: wide min-fill, time limits, PACE exact gap")
+    ap.add_argument(
+        "--only", default="minfill,timeouts,gap", help="with --limits: comma-separated subset of minfill,timeouts,gap"
+    )
+    ap.add_argument("--gap-timeout", type=float, default=1.0, help="with --limits: improve seconds per PACE instance")
     args = ap.parse_args(argv)
+    if args.limits:
+        limits(set(args.only.split(",")), args.gap_timeout)
+        return
     if args.quick:
         args.nx_cap = min(args.nx_cap, 2.0)
         args.nx_cap_large = min(args.nx_cap_large, 4.0)

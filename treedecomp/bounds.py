@@ -16,9 +16,15 @@ from ._elimination import index_graph
 __all__ = ["minor_min_width"]
 
 
-def min_width_of_adjacency(adj: list[set[int]]) -> int:
+def min_width_of_adjacency(adj: list[set[int]], stop=None) -> int:
     """:func:`minor_min_width` on integer adjacency sets, as the exact solver
-    and the improvement loop hold graphs (``adj`` is not modified)."""
+    and the improvement loop hold graphs (``adj`` is not modified).
+
+    ``stop``, a callable checked every 64 contractions, ends the computation
+    early when it returns true; the bound found so far is returned, which is
+    still a lower bound (each recorded degree is the minimum degree of a
+    minor), only possibly a weaker one.  Callers with a time limit use it.
+    """
     n = len(adj)
     if n == 0:
         return -1
@@ -28,12 +34,16 @@ def min_width_of_adjacency(adj: list[set[int]]) -> int:
     alive = [True] * n
     lb = 0
     remaining = n
+    steps = 0
     while heap:
         if lb >= remaining - 1:
             break  # no minor of what is left has minimum degree above lb
         d, v = heapq.heappop(heap)
         if not alive[v] or d != len(adj[v]):
             continue
+        steps += 1
+        if stop is not None and steps % 64 == 0 and stop():
+            break
         if d > lb:
             lb = d
         alive[v] = False

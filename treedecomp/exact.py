@@ -50,6 +50,41 @@ from .decomposition import TreeDecomposition
 __all__ = ["treewidth_exact"]
 
 
+class _Timeout(Exception):
+    """Raised inside the solver when the deadline passes; becomes ``TimeoutError``."""
+
+
+class Deadline:
+    """The optional time limit of one :func:`treewidth_exact` call.
+
+    Parameters
+    ----------
+    timeout : float or None
+        Seconds from now; ``None`` means no limit.
+
+    Notes
+    -----
+    Every loop of the solver that can run long on a large graph (the
+    heuristic upper bounds, the reductions, the clique search, the graph
+    improvement, the decision search) calls :meth:`check` often enough that
+    the limit is kept to a few milliseconds.
+    """
+
+    __slots__ = ("at",)
+
+    def __init__(self, timeout: float | None):
+        self.at = None if timeout is None else time.perf_counter() + timeout
+
+    def expired(self) -> bool:
+        """True once the limit has passed (never without a limit)."""
+        return self.at is not None and time.perf_counter() > self.at
+
+    def check(self) -> None:
+        """Raise ``_Timeout`` once the limit has passed."""
+        if self.at is not None and time.perf_counter() > self.at:
+            raise _Timeout
+
+
 def _neighbourhood_mask(adj_set: set[int]) -> int:
     m = 0
     for u in adj_set:
@@ -57,7 +92,7 @@ def _neighbourhood_mask(adj_set: set[int]) -> int:
     return m
 
 
-def _safe_reductions(adj: list[set[int]], low: int):
+def _safe_reductions(adj: list[set[int]], low: int, deadline: Deadline):
     """Apply the simplicial and almost-simplicial rules until none applies.
 
     Returns ``(prefix, adj_reduced, alive, low)``: the eliminated vertices in
@@ -71,7 +106,11 @@ def _safe_reductions(adj: list[set[int]], low: int):
     prefix: list[int] = []
     queue = deque(range(n))
     queued = [True] * n
+    pops = 0
     while queue:
+        pops += 1
+        if pops % 64 == 0:
+            deadline.check()
         v = queue.popleft()
         queued[v] = False
         if not alive[v]:
@@ -106,11 +145,12 @@ def _safe_reductions(adj: list[set[int]], low: int):
     return prefix, adj, alive, low
 
 
-def _greedy_clique(am: list[int]) -> int:
+def _greedy_clique(am: list[int], deadline: Deadline) -> int:
     """A large clique (bitmask) found greedily from every start vertex."""
     best = 0
     c = len(am)
     for s in range(c):
+        deadline.check()
         clique = 1 << s
         cand = am[s]
         while cand:
@@ -131,11 +171,7 @@ def _greedy_clique(am: list[int]) -> int:
     return best
 
 
-class _Timeout(Exception):
-    pass
-
-
-def _improved_graph(am: list[int], k: int) -> list[int]:
+def _improved_graph(am: list[int], k: int, deadline: Deadline) -> list[int]:
     """Add edges between non-adjacent vertices with more than ``k`` common neighbours.
 
     If the treewidth is at most ``k`` such an edge can be added without
@@ -150,6 +186,7 @@ def _improved_graph(am: list[int], k: int) -> list[int]:
     while changed:
         changed = False
         for v in range(c):
+            deadline.check()
             for w in range(v + 1, c):
                 if not (am[v] >> w) & 1 and (am[v] & am[w]).bit_count() > k:
                     am[v] |= 1 << w
@@ -158,11 +195,12 @@ def _improved_graph(am: list[int], k: int) -> list[int]:
     return am
 
 
-def _mmw_exceeds(nh: list[int], alive: int, k: int) -> bool:
+def _mmw_exceeds(nh: list[int], alive: int, k: int, deadline: Deadline) -> bool:
     """True if the minor-min-width of the graph (bitmask adjacency ``nh`` on ``alive``) exceeds ``k``."""
     nh = list(nh)
     r = alive.bit_count()
     while r > k + 1:
+        deadline.check()
         # vertex of minimum degree
         best_v, best_d = -1, 1 << 30
         x = alive
@@ -204,15 +242,15 @@ def _mmw_exceeds(nh: list[int], alive: int, k: int) -> bool:
     return False
 
 
-def _decide(am: list[int], k: int, last: int, deadline: float | None) -> list[int] | None:
+def _decide(am: list[int], k: int, last: int, deadline: Deadline) -> list[int] | None:
     """An elimination ordering of width <= ``k`` of the graph ``am`` (bitmask adjacency), or None.
 
     ``last`` is a clique (bitmask) that may be kept for the end.
     """
     c = len(am)
     full = (1 << c) - 1
-    am = _improved_graph(am, k)
-    if _mmw_exceeds(am, full, k):
+    am = _improved_graph(am, k, deadline)
+    if _mmw_exceeds(am, full, k, deadline):
         return None
     failed: set[int] = set()
     path: list[int] = []
@@ -259,8 +297,8 @@ def _decide(am: list[int], k: int, last: int, deadline: float | None) -> list[in
         if S in failed:
             return False
         counter[0] += 1
-        if deadline is not None and counter[0] % 512 == 0 and time.perf_counter() > deadline:
-            raise _Timeout
+        if counter[0] % 16 == 0:
+            deadline.check()
         nh = remaining_graph(S)
         cands = []
         x = full & ~S & ~last
@@ -328,28 +366,18 @@ def treewidth_exact(G: nx.Graph, *, max_vertices: int = 60, timeout: float | Non
     TreeDecomposition
         Of width equal to the treewidth of ``G`` (``-1`` for the empty graph).
     """
-    deadline = None if timeout is None else time.perf_counter() + timeout
-    nodes, adj = index_graph(G)
-    n = len(nodes)
-    if n == 0:
-        return TreeDecomposition([], [])
-    upper = min((eliminate_min_fill(adj), eliminate_min_degree(adj)), key=lambda r: r[3])
-    ub = upper[3]
+    deadline = Deadline(timeout)
+    try:
+        return _treewidth_exact(G, max_vertices, deadline)
+    except _Timeout:
+        raise TimeoutError(f"exact treewidth: no answer within {timeout} s") from None
 
-    def heuristic_answer() -> TreeDecomposition:
-        order, higher, tail, _ = upper
-        return build_decomposition(nodes, order, higher, tail)
 
-    low = min_width_of_adjacency(adj)
-    if low >= ub:
-        return heuristic_answer()
-    prefix, radj, alive, low = _safe_reductions(adj, low)
-    if low >= ub:
-        return heuristic_answer()
-    # connected components of what the reductions left
+def _components(radj: list[set[int]], alive: list[bool]) -> list[list[int]]:
+    """Connected components of the alive vertices, smallest first (settled fastest)."""
     comps = []
     seen = [not a for a in alive]
-    for s in range(n):
+    for s in range(len(radj)):
         if seen[s]:
             continue
         comp = [s]
@@ -361,38 +389,74 @@ def treewidth_exact(G: nx.Graph, *, max_vertices: int = 60, timeout: float | Non
                     comp.append(u)
         comps.append(comp)
     comps.sort(key=len)
+    return comps
+
+
+def _treewidth_exact(G: nx.Graph, max_vertices: int, deadline: Deadline) -> TreeDecomposition:
+    """:func:`treewidth_exact` with the time limit as a :class:`Deadline` (raises ``_Timeout``)."""
+    nodes, adj = index_graph(G)
+    n = len(nodes)
+    if n == 0:
+        return TreeDecomposition([], [])
+    runs = [engine(adj, stop=deadline.expired) for engine in (eliminate_min_fill, eliminate_min_degree)]
+    deadline.check()  # a run cut short by the deadline is no upper bound worth having
+    upper = min(runs, key=lambda r: r[3])
+    ub = upper[3]
+
+    def heuristic_answer() -> TreeDecomposition:
+        order, higher, tail, _ = upper
+        return build_decomposition(nodes, order, higher, tail)
+
+    low = min_width_of_adjacency(adj, stop=deadline.expired)
+    deadline.check()
+    if low >= ub:
+        return heuristic_answer()
+    prefix, radj, alive, low = _safe_reductions(adj, low, deadline)
+    if low >= ub:
+        return heuristic_answer()
     answer = low
     ordering = list(prefix)
-    for comp in comps:
-        local = {v: i for i, v in enumerate(comp)}
-        am = [0] * len(comp)
-        for v in comp:
-            am[local[v]] = _neighbourhood_mask({local[u] for u in radj[v]})
+    for comp in _components(radj, alive):
         if len(comp) - 1 <= answer:
             ordering.extend(comp)
             continue
-        clique = _greedy_clique(am)
-        comp_adj = [{local[u] for u in radj[v]} for v in comp]
-        start = max(answer, clique.bit_count() - 1, min_width_of_adjacency(comp_adj))
-        if start >= ub:
-            return heuristic_answer()
-        if len(comp) > max_vertices:
-            raise ValueError(
-                f"exact treewidth: after safe reductions a component of {len(comp)} vertices "
-                f"remains (widths {start}..{ub} possible), above max_vertices={max_vertices}"
-            )
-        for k in range(start, ub):
-            try:
-                local_order = _decide(am, k, clique, deadline)
-            except _Timeout:
-                raise TimeoutError(f"exact treewidth: no answer within {timeout} s") from None
-            if local_order is not None:
-                answer = k
-                ordering.extend(comp[i] for i in local_order)
-                break
-        else:
+        solved = _solve_component(comp, radj, answer, ub, max_vertices, deadline)
+        if solved is None:
             return heuristic_answer()  # no width below the heuristic's is possible
+        answer, local_order = solved
+        ordering.extend(local_order)
     order, higher, tail, width = eliminate_in_order(adj, ordering)
     if width != answer:  # pragma: no cover - would be a bug in this module
         raise AssertionError(f"exact treewidth: ordering has width {width}, expected {answer}")
     return build_decomposition(nodes, order, higher, tail)
+
+
+def _solve_component(comp, radj, answer, ub, max_vertices, deadline):
+    """Treewidth of one component, if below ``ub``: ``(max(answer, width), ordering)`` or None.
+
+    ``answer`` is the width already needed by the components solved so far,
+    so widths up to it need no search here.  Returns None when no width
+    below ``ub`` (the heuristic's) is possible, so the heuristic answer is
+    optimal.
+    """
+    local = {v: i for i, v in enumerate(comp)}
+    am = [_neighbourhood_mask({local[u] for u in radj[v]}) for v in comp]
+    comp_adj = [{local[u] for u in radj[v]} for v in comp]
+    low = max(answer, min_width_of_adjacency(comp_adj, stop=deadline.expired))
+    deadline.check()
+    if low >= ub:
+        return None
+    clique = _greedy_clique(am, deadline)
+    start = max(low, clique.bit_count() - 1)
+    if start >= ub:
+        return None
+    if len(comp) > max_vertices:
+        raise ValueError(
+            f"exact treewidth: after safe reductions a component of {len(comp)} vertices "
+            f"remains (widths {start}..{ub} possible), above max_vertices={max_vertices}"
+        )
+    for k in range(start, ub):
+        local_order = _decide(am, k, clique, deadline)
+        if local_order is not None:
+            return k, [comp[i] for i in local_order]
+    return None
