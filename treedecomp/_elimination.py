@@ -187,6 +187,21 @@ class EliminationState:
         self.remaining = n
         self.stamp = n  # min-degree: later pushes queue behind the initial entries
 
+    def take(self, v: int, degree: int, abort_at) -> bool:
+        """Eliminate ``v``, of ``degree``, from the bookkeeping every phase
+        keeps (alive, remaining, width, order).
+
+        Returns False, leaving ``v`` out of the order, when the width has
+        reached ``abort_at``: the caller stops there."""
+        self.alive[v] = False
+        self.remaining -= 1
+        if degree > self.width:
+            self.width = degree
+            if abort_at is not None and degree >= abort_at:
+                return False
+        self.order.append(v)
+        return True
+
     def result(self):
         """``(order, higher, tail, width)``: the vertices still alive form the tail.
 
@@ -386,15 +401,13 @@ def min_fill_set_phase(s: EliminationState, abort_at, stop) -> str:
     on the heap).
     """
     adj, deg, t, alive, rank, weight, heap = s.adj, s.deg, s.t, s.alive, s.rank, s.weight, s.heap
-    order, higher = s.order, s.higher
+    higher = s.higher
     pop = heapq.heappop
     push = heapq.heappush
-    width = s.width
-    remaining = s.remaining
     steps = 0
     status = "done"
     while heap:
-        if remaining - 1 <= width:
+        if s.remaining - 1 <= s.width:
             break
         key, d, r, v = pop(heap)
         if not alive[v] or d != deg[v]:
@@ -402,7 +415,7 @@ def min_fill_set_phase(s: EliminationState, abort_at, stop) -> str:
         f = d * (d - 1) // 2 - t[v]
         if key != f * weight[v]:
             continue  # stale heap entry
-        if d >= DENSE_DEGREE and remaining <= DENSE_MAX_VERTICES:
+        if d >= DENSE_DEGREE and s.remaining <= DENSE_MAX_VERTICES:
             push(heap, (key, d, r, v))
             status = "dense"
             break
@@ -410,15 +423,10 @@ def min_fill_set_phase(s: EliminationState, abort_at, stop) -> str:
         if stop is not None and steps % STOP_EVERY == 0 and stop():
             status = "stop"
             break
-        alive[v] = False
-        remaining -= 1
+        if not s.take(v, d, abort_at):
+            status = "abort"
+            break
         Nv = adj[v]
-        if d > width:
-            width = d
-            if abort_at is not None and width >= abort_at:
-                status = "abort"
-                break
-        order.append(v)
         higher[v] = list(Nv)
         adj[v] = set()
         changed = set(Nv)
@@ -461,8 +469,6 @@ def min_fill_set_phase(s: EliminationState, abort_at, stop) -> str:
         for u in changed:
             du = deg[u]
             push(heap, ((du * (du - 1) // 2 - t[u]) * weight[u], du, rank[u], u))
-    s.width = width
-    s.remaining = remaining
     return status
 
 
@@ -481,16 +487,14 @@ def min_fill_dense_phase(s: EliminationState, abort_at, stop) -> str:
     s.adj = None  # the bitsets are the adjacency from now on
     nbits = len(glob)
     deg, t, alive, rank, weight, heap = s.deg, s.t, s.alive, s.rank, s.weight, s.heap
-    order, higher = s.order, s.higher
+    higher = s.higher
     pop = heapq.heappop
     push = heapq.heappush
-    width = s.width
-    remaining = s.remaining
     status = "done"
     fills = 0
     next_check = FILL_STOP_EVERY
     while heap:
-        if remaining - 1 <= width:
+        if s.remaining - 1 <= s.width:
             break
         key, d, r, v = pop(heap)
         if not alive[v] or d != deg[v]:
@@ -501,14 +505,9 @@ def min_fill_dense_phase(s: EliminationState, abort_at, stop) -> str:
         if stop is not None and stop():
             status = "stop"
             break
-        alive[v] = False
-        remaining -= 1
-        if d > width:
-            width = d
-            if abort_at is not None and width >= abort_at:
-                status = "abort"
-                break
-        order.append(v)
+        if not s.take(v, d, abort_at):
+            status = "abort"
+            break
         i = loc[v]
         bi = 1 << i
         Nm = A[i]
@@ -565,8 +564,6 @@ def min_fill_dense_phase(s: EliminationState, abort_at, stop) -> str:
             u = glob[j]
             du = deg[u]
             push(heap, ((du * (du - 1) // 2 - t[u]) * weight[u], du, rank[u], u))
-    s.width = width
-    s.remaining = remaining
     return status
 
 
@@ -598,21 +595,19 @@ def eliminate_min_degree(adj: list[set[int]], rank: list[int] | None = None, abo
 def min_degree_set_phase(s: EliminationState, abort_at, stop) -> str:
     """Min-degree steps on adjacency sets; statuses as in :func:`min_fill_set_phase`."""
     adj, alive, heap = s.adj, s.alive, s.heap
-    order, higher = s.order, s.higher
+    higher = s.higher
     pop = heapq.heappop
     push = heapq.heappush
-    width = s.width
-    remaining = s.remaining
     stamp = s.stamp
     steps = 0
     status = "done"
     while heap:
-        if remaining - 1 <= width:
+        if s.remaining - 1 <= s.width:
             break
         d, st, v = pop(heap)
         if not alive[v] or d != len(adj[v]):
             continue
-        if d >= DENSE_DEGREE and remaining <= DENSE_MAX_VERTICES:
+        if d >= DENSE_DEGREE and s.remaining <= DENSE_MAX_VERTICES:
             push(heap, (d, st, v))
             status = "dense"
             break
@@ -620,15 +615,10 @@ def min_degree_set_phase(s: EliminationState, abort_at, stop) -> str:
         if stop is not None and steps % STOP_EVERY == 0 and stop():
             status = "stop"
             break
-        alive[v] = False
-        remaining -= 1
+        if not s.take(v, d, abort_at):
+            status = "abort"
+            break
         Nv = adj[v]
-        if d > width:
-            width = d
-            if abort_at is not None and width >= abort_at:
-                status = "abort"
-                break
-        order.append(v)
         higher[v] = list(Nv)
         adj[v] = set()
         for u in Nv:
@@ -639,8 +629,6 @@ def min_degree_set_phase(s: EliminationState, abort_at, stop) -> str:
                 au.discard(u)
             push(heap, (len(au), stamp, u))
             stamp += 1
-    s.width = width
-    s.remaining = remaining
     s.stamp = stamp
     return status
 
@@ -659,15 +647,13 @@ def min_degree_dense_phase(s: EliminationState, abort_at, stop) -> str:
         deg[v] = len(s.adj[v])
     s.adj = None
     alive, heap = s.alive, s.heap
-    order, higher = s.order, s.higher
+    higher = s.higher
     pop = heapq.heappop
     push = heapq.heappush
-    width = s.width
-    remaining = s.remaining
     stamp = s.stamp
     status = "done"
     while heap:
-        if remaining - 1 <= width:
+        if s.remaining - 1 <= s.width:
             break
         d, _, v = pop(heap)
         if not alive[v] or d != deg[v]:
@@ -675,14 +661,9 @@ def min_degree_dense_phase(s: EliminationState, abort_at, stop) -> str:
         if stop is not None and stop():
             status = "stop"
             break
-        alive[v] = False
-        remaining -= 1
-        if d > width:
-            width = d
-            if abort_at is not None and width >= abort_at:
-                status = "abort"
-                break
-        order.append(v)
+        if not s.take(v, d, abort_at):
+            status = "abort"
+            break
         i = loc[v]
         bi = 1 << i
         Nm = A[i]
@@ -700,8 +681,6 @@ def min_degree_dense_phase(s: EliminationState, abort_at, stop) -> str:
             deg[u] = du
             push(heap, (du, stamp, u))
             stamp += 1
-    s.width = width
-    s.remaining = remaining
     s.stamp = stamp
     return status
 

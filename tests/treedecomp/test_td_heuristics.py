@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import treedecomp as T
+from treedecomp import _elimination
 from treedecomp._elimination import eliminate_min_degree, eliminate_min_fill, index_graph
 from treedecomp.generators import resnet_like, towers, training_graph, unet_like
 
@@ -83,6 +84,18 @@ def test_min_fill_incremental_counts_choose_a_min_fill_vertex(n, p, seed):
 def test_min_degree_chooses_a_min_degree_vertex(n, p, seed):
     G = nx.gnp_random_graph(n, p, seed=seed)
     _replay_and_check_greedy(G, eliminate_min_degree, lambda adj, u: len(adj[u]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 50), p=st.floats(0.02, 0.6), seed=st.integers(0, 10**6))
+def test_bitset_phase_of_min_degree_chooses_min_degree_vertices(n, p, seed):
+    """The same check with the bitset phase from the first step (``DENSE_DEGREE`` 0)."""
+    G = nx.gnp_random_graph(n, p, seed=seed)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_elimination, "DENSE_DEGREE", 0)
+        _replay_and_check_greedy(G, eliminate_min_degree, lambda adj, u: len(adj[u]))
+        td = T.min_degree(G)
+    T.validate(G, td)
 
 
 def test_dense_graph_path_of_triangle_counts():
