@@ -668,7 +668,7 @@ def _train_step(self: keras.Model, data):
             grads, plan = gradients_and_plan(
                 loss, weights, checkpoints=settings["checkpoints"], budget=settings["budget"],
                 batch_size=unknown_size, swap=settings["swap"] or None,
-                planning_time=settings.get("planning_time", DEFAULT_PLANNING_SECONDS),
+                planning_time=settings["planning_time"],
             )
         if calibrator:
             calibrator.check_lowest(self, plan)
