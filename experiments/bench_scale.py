@@ -12,7 +12,13 @@ all threads) are measured side by side in one run:
 * ``BudgetError``: ``plan(..., budget=)`` one byte above the resident
   memory, which no plan fits: the time until the error;
 * ``memsaving``: the step traced with ``memsaving.gradients(...,
-  checkpoints="memory")``.
+  checkpoints="memory")``;
+* ``retrace``: the same step traced again in a new ``tf.function`` (a new
+  ``model.fit`` after ``compile``), which reuses the plan made for the same
+  graph and arguments (:mod:`memsaving.planners.cache`).
+
+Every figure but ``retrace`` is measured with no plan remembered
+(``memsaving.clear_plan_cache()`` first).
 
 Kernel-temporary profiles are measured once per op signature and cached
 (``MEMSAVING_CACHE_DIR``, a fresh folder per run here): a first untimed
@@ -75,6 +81,7 @@ def trace_step(model: keras.Model, spec: tf.TensorSpec, gradients) -> float:
 def timed_plan(model: keras.Model, spec: tf.TensorSpec, **plan_kwargs) -> tuple:
     """The plan (or the BudgetError) and the CPU seconds ``memsaving.plan`` took inside a trace."""
     found = {}
+    memsaving.clear_plan_cache()
 
     def forward(x):
         loss = tf.reduce_mean(tf.square(model(x, training=True)))
@@ -109,8 +116,10 @@ def measure(name: str, batch: int, size: int) -> dict:
     error, figures["BudgetError"] = timed_plan(model, spec, checkpoints="memory",
                                                budget=memory_plan.resident_bytes + 1)
     figures["error_raised"] = isinstance(error, memsaving.BudgetError)
-    figures["memsaving"] = trace_step(
-        model, spec, lambda loss, xs: memsaving.gradients(loss, xs, checkpoints="memory"))
+    memsaving.clear_plan_cache()
+    ours = lambda loss, xs: memsaving.gradients(loss, xs, checkpoints="memory")  # noqa: E731
+    figures["memsaving"] = trace_step(model, spec, ours)
+    figures["retrace"] = trace_step(model, spec, ours)
     return figures
 
 
@@ -119,12 +128,13 @@ COLUMNS = [("plan(memory)", 0.3), ("plan(budget)", 0.5), ("BudgetError", 0.5), (
 
 def report(rows) -> None:
     head = f"{'model':<14}{'ops':>7}{'plain s':>9}" + "".join(f"{c + ' s':>16}{'x':>7}" for c, _ in COLUMNS)
-    print(head + f"{'profiling s':>13}")
+    print(head + f"{'retrace s':>11}{'x':>6}{'profiling s':>13}")
     for r in rows:
         line = f"{r['model']:<14}{r['ops']:>7}{r['plain']:>9.1f}"
         for column, target in COLUMNS:
             ratio = r[column] / r["plain"]
             line += f"{r[column]:>16.1f}{ratio:>6.2f}{'' if ratio <= target else '!'}"
+        line += f"{r['retrace']:>11.1f}{r['retrace'] / r['plain']:>6.2f}"
         print(line + f"{r['profiling']:>13.1f}")
         if not r["budget_fits"] or not r["error_raised"]:
             print(f"  (budget plan found: {r['budget_fits']}; BudgetError raised: {r['error_raised']})")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import replace
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
@@ -21,11 +22,12 @@ from memsaving.candidates import cuts as candidates
 from memsaving.planners.budget import parse_bytes, plan_for_budget
 from memsaving.tf.checkpoints import Checkpoints, resolve_checkpoints
 from memsaving.planners.modes import memory_proposal, speed_proposal
-from memsaving.errors import CheckpointError
+from memsaving.errors import BudgetError, CheckpointError
 from memsaving import fit_budget as _calibration
 from memsaving.tf.extract import graph_model
 from memsaving.tf.forward import forward_graph, ops_made_in
 from memsaving.tf.measure import bytes_in_use
+from memsaving.planners.cache import model_key, remember, remembered
 from memsaving.planners.planning import Plan, make_plan
 from memsaving.planners.hybrid import plan_hybrid
 from memsaving.tf.loop_pinning import pin_loop_iterations
@@ -451,15 +453,44 @@ def _plan(ys, xs, checkpoints, budget, options: Options, seeded_with_ones: bool 
     profile = _profile_mode(options.planner.profile, checkpoints, budget)
     model = graph_model(fwd, batch_size=batch_size, profile=profile, seeded_with_ones=seeded_with_ones,
                         in_use_bytes=bytes_in_use())
-    with planning_allowance(options.planner.planning_time) as allowance:
-        fwd, plan_ = _plan_for_model(fwd, model, checkpoints, planned_for, options, _calibration.planning_or_lowest())
-    plan_.planning_seconds = allowance.spent_seconds
-    plan_.planning_stopped = options.planner.planning_time if allowance.stopped else None
+    or_lowest = _calibration.planning_or_lowest()
+    key = _cache_key(model, checkpoints, planned_for, options, or_lowest)
+    plan_ = remembered(key, model) if key is not None else None
+    if plan_ is None:
+        with planning_allowance(options.planner.planning_time) as allowance:
+            try:
+                fwd, plan_ = _plan_for_model(fwd, model, checkpoints, planned_for, options, or_lowest)
+            except BudgetError as error:
+                if key is not None:
+                    remember(key, model, error)
+                raise
+        plan_.planning_seconds = allowance.spent_seconds
+        plan_.planning_stopped = options.planner.planning_time if allowance.stopped else None
+        if key is not None:
+            remember(key, model, plan_)
+            plan_ = replace(plan_)  # the caller's copy: what is set below is not remembered
     if planned_for is not budget:
         plan_.budget = parse_bytes(budget)  # the budget asked for; the predicted peak fits the lower one
     plan_.batch_size = batch_size
     plan_.batch_source = "batch_size=" if options.planner.batch_size_given else ""
     return fwd, plan_
+
+
+def _cache_key(model, checkpoints, budget, options: Options, or_lowest: bool):
+    """The key a plan for these arguments is remembered under (:mod:`memsaving.planners.cache`),
+    or None when it is not remembered: checkpoints given as tensors or taken
+    from the graph's collection name tensors of one graph, and are cheap to
+    resolve anyway; only the named modes (``"memory"``, ``"speed"``) search."""
+    if not (isinstance(checkpoints, str) and checkpoints in ("memory", "speed")):
+        return None
+    # the batch size and the profiling mode shaped the model itself
+    key = (model_key(model), checkpoints, budget, or_lowest, options.planner.keep_x_gradients,
+           options.planner.planning_time, options.hardware, options.swap.swap, options.swap.emit)
+    try:
+        hash(key)
+    except TypeError:  # swap= a list of tensors
+        return None
+    return key
 
 
 def _plan_for_model(fwd, model, checkpoints, budget, options: Options, or_lowest: bool = False) -> tuple:

@@ -51,6 +51,17 @@ def pytest_collectstart(collector):
         configure_tensorflow()
 
 
+@pytest.fixture(autouse=True)
+def _plan_each_test_afresh():
+    """Plans are remembered per graph and arguments for the whole process
+    (memsaving.planners.cache); a test plans what it builds itself, whatever
+    earlier tests built the same graph, with its own patches in force."""
+    from memsaving.planners.cache import clear_plan_cache
+
+    clear_plan_cache()
+    yield
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _collect_garbage_between_modules():
     """Plans count the bytes the allocator holds (garbage included, until

@@ -118,6 +118,10 @@ class Plan:
     planning_stopped: Optional[float] = None
     """The ``planning_time`` at which the planner stopped searching and
     returned the best plan found so far (None: it finished its search)."""
+    reused: bool = False
+    """The plan was made earlier in this process for the same graph model
+    and arguments, and handed back without planning again
+    (:mod:`memsaving.planners.cache`)."""
     largest_work_buffer: int = 0
     """Bytes of the largest kernel temporary (work buffer) of any op of the
     step, forward or gradient, as profiled (0 when not profiled).  Every
@@ -158,6 +162,9 @@ class Plan:
             out.write(f"\nkernel temporaries: {self.profiled_signatures} op signatures profiled, "
                       f"{self.cached_signatures} from cache, {self.profile_seconds:.1f} s; "
                       f"the largest work buffer {self.largest_work_buffer / mib:.1f} MiB (no plan goes below it)")
+        if self.reused:
+            out.write("\nreused: planned earlier in this process for the same graph and arguments "
+                      "(memsaving.clear_plan_cache() plans again)")
         if self.planning_stopped is not None:
             out.write(f"\nplanning stopped at planning_time={self.planning_stopped:g} s of simulation: the best "
                       "plan found by then (a larger planning_time, or None, searches further)")
@@ -248,11 +255,11 @@ def make_plan(
         steps=steps,
         simulation=sim,
         largest_work_buffer=max((max(op.temp_bytes, op.grad_temp_bytes) for op in model.ops), default=0),
-        **_profile_fields(model),
+        **profile_fields(model),
     )
 
 
-def _profile_fields(model: GraphModel) -> dict:
+def profile_fields(model: GraphModel) -> dict:
     """The Plan fields saying how the model's kernel temporaries were profiled."""
     summary = model.profile
     if summary is None:

@@ -226,3 +226,37 @@ def test_the_plan_names_ops_it_never_recomputes():
     plan = captured["plan"]
     assert [name for name in plan.never_recomputed if "StatefulPartitionedCall" in name], plan.never_recomputed
     assert "kept, never recomputed (stateful or random ops)" in plan.table()
+
+
+def test_a_plan_is_made_once_per_graph_and_arguments():
+    """``plan`` then ``gradients`` on one graph, and a second trace of the
+    same step, reuse the plan; another budget plans again, as does a new
+    trace after ``clear_plan_cache``.  The reused plan's gradients are
+    tf.gradients'."""
+    ws = _weights(12, seed=400)
+    plans = {}
+
+    def step(x, budget=None, tag=""):
+        loss, _ = mlp(x, ws)
+        plans[tag + "plan"] = memsaving.plan(loss, ws, checkpoints="memory", budget=budget)
+        grads, plans[tag + "gradients"] = memsaving.gradients_and_plan(loss, ws, checkpoints="memory",
+                                                                       budget=budget)
+        plain = tf.gradients(loss, ws)
+        return tf.reduce_max([tf.reduce_max(tf.abs(a - b)) for a, b in zip(grads, plain)])
+
+    x = tf.random.normal([BATCH, WIDTH], seed=5)
+    assert float(tf.function(step)(x)) == 0.0
+    assert not plans["plan"].reused and plans["gradients"].reused
+    assert plans["gradients"].kept_ops == plans["plan"].kept_ops
+    assert plans["gradients"].planning_seconds == plans["plan"].planning_seconds > 0
+
+    tf.function(step).get_concrete_function(tf.TensorSpec([BATCH, WIDTH]), tag="again ")
+    assert plans["again plan"].reused and plans["again plan"].steps == plans["plan"].steps
+
+    budget = (plans["plan"].predicted_peak + plans["plan"].plain_peak) // 2
+    tf.function(step).get_concrete_function(tf.TensorSpec([BATCH, WIDTH]), budget=budget, tag="budget ")
+    assert not plans["budget plan"].reused and plans["budget gradients"].reused
+
+    memsaving.clear_plan_cache()
+    tf.function(step).get_concrete_function(tf.TensorSpec([BATCH, WIDTH]), tag="cleared ")
+    assert not plans["cleared plan"].reused
