@@ -30,7 +30,7 @@ from memsaving.planners.nested import nested_plan, thinned_chain
 from memsaving.planners.refine import refined_plans
 from memsaving.model.schedule import kept_set, validate_inner
 from memsaving.sim.allowance import stopped, used_up
-from memsaving.sim.simulate import simulate
+from memsaving.sim.simulate import peak_lower_bound, simulate
 
 _UNITS = {
     "": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
@@ -285,13 +285,19 @@ def select_for_budget(
 
 def _raise_infeasible(model: GraphModel, budget: int, lowest_peak: int):
     floor = feasible_budget(lowest_peak)
-    cut_short = (" Planning stopped at its planning_time before it had tried every plan it would: a larger "
-                 "planning_time= (or None) may find a plan that fits.") if stopped() else ""
+    notes = ""
+    bound = peak_lower_bound(model)
+    if budget < bound:
+        notes += (f" No plan can fit it: the forward pass alone holds {format_bytes(bound - model.resident_bytes)}"
+                  " above that memory while its largest op runs (outputs and work buffers).")
+    if stopped():
+        notes += (" Planning stopped at its planning_time before it had tried every plan it would: a larger "
+                  "planning_time= (or None) may find a plan that fits.")
     raise BudgetError(
         f"no checkpoint plan fits the budget of {format_bytes(budget)}; the smallest feasible "
         f"budget found is {format_bytes(floor)} ({floor} bytes), of which "
         f"{format_bytes(model.resident_bytes)} are in use before the step (parameters, inputs and "
-        "what the device already holds). Raise the budget, or reduce the batch size." + cut_short
+        "what the device already holds). Raise the budget, or reduce the batch size." + notes
     )
 
 
@@ -403,6 +409,12 @@ def plan_for_budget(
         nothing fits (and not ``or_lowest``); the message gives
         the smallest budget found feasible.
     """
+    if budget < peak_lower_bound(model):
+        # no plan fits: skip the searches for this budget, find the floor to report
+        lowest = _lowest_plan(model, candidates, keep_x_gradients, cut_bytes, multilevel)
+        if or_lowest:
+            return lowest
+        _raise_infeasible(model, budget, lowest.peak)
     found = _search(model, candidates, budget, keep_x_gradients=keep_x_gradients, cut_bytes=cut_bytes,
                     max_evaluations=max_evaluations)
     proposals = []

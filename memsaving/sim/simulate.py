@@ -123,6 +123,30 @@ def simulate(
     return done[key]
 
 
+def peak_lower_bound(model: GraphModel) -> int:
+    """Bytes below which no plan's simulated peak can go: the resident
+    memory plus the largest outputs and work buffer one forward op holds
+    while it runs.
+
+    Every plan runs the whole forward pass once, and an op's outputs and
+    work buffers are in use together while it runs, whatever is kept or
+    recomputed later (an output written in place of a dying input still
+    holds its bytes).  A budget under this bound needs no search to refuse.
+
+    Examples
+    --------
+    >>> from memsaving.model.graph import chain_model
+    >>> model = chain_model([4, 16, 8])
+    >>> peak_lower_bound(model)
+    16
+    >>> simulate(model).peak_bytes >= peak_lower_bound(model)
+    True
+    """
+    tensors = model.tensors
+    held = (sum(tensors[t].nbytes for t in op.outputs) + op.temp_bytes for op in model.ops)
+    return model.resident_bytes + max(held, default=0)
+
+
 _REMEMBERED = 128
 """Simulations kept per model.  The planners score the same plan from
 several searches (the budget search and the lowest-peak search share their

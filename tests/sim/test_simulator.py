@@ -1,13 +1,17 @@
 """The simulator and planner on hand-made graph models (no TensorFlow graph)."""
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 
-from memsaving.planners.budget import parse_bytes, select_for_budget
+from chains import random_chains
+from memsaving.planners.budget import parse_bytes, plan_for_budget, select_for_budget
 from memsaving.errors import BudgetError
 from memsaving.model.graph import GraphModel, OpInfo, TensorInfo, chain_model, validate_model
 from memsaving.planners.planning import make_plan
 from memsaving.model.schedule import backward_units, kept_set
-from memsaving.sim.simulate import simulate
+from memsaving.sim.simulate import peak_lower_bound, simulate
 from memsaving.sim.swap import CostModel
 
 
@@ -77,6 +81,28 @@ def test_infeasible_budget_names_smallest_feasible():
     with pytest.raises(BudgetError, match="smallest feasible budget") as err:
         select_for_budget(model, list(range(24)), 500)
     assert "bytes" in str(err.value) and "500 bytes" in str(err.value)
+
+
+def test_a_budget_under_the_lower_bound_is_refused_without_searching_for_it(monkeypatch):
+    """The budget's own searches (the per-op refinements here) are skipped;
+    the floor reported is the lowest plan's, the same as without the shortcut,
+    and passed back as the budget it fits."""
+    model = chain_model([1000] * 25)
+    candidates = list(range(24))
+    with pytest.raises(BudgetError) as searched:
+        plan_for_budget(model, candidates, peak_lower_bound(model))  # at the bound: searched, nothing fits
+    from memsaving.planners import budget as planner
+
+    def refine(*args, **kwargs):
+        raise AssertionError("searched for a budget nothing can fit")
+
+    monkeypatch.setattr(planner, "refined_plans", refine)
+    with pytest.raises(BudgetError) as refused:
+        plan_for_budget(model, candidates, peak_lower_bound(model) - 1)
+    assert refused.value.smallest_budget == searched.value.smallest_budget
+    assert "No plan can fit it" in str(refused.value) and "No plan can fit it" not in str(searched.value)
+    monkeypatch.undo()
+    assert plan_for_budget(model, candidates, refused.value.smallest_budget).peak <= refused.value.smallest_budget
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -181,3 +207,26 @@ def test_a_plan_is_replayed_once_per_model_and_arguments():
         unremembered = chain_model([4, 8, 4, 8, 4, 8])
         assert again.peak_bytes == simulate(unremembered, **changed).peak_bytes
         assert again.timeline == simulate(unremembered, **changed).timeline
+
+
+def test_no_plan_goes_below_the_peak_lower_bound():
+    """Every plan, swapped, reordered as a parallel executor runs it, or
+    with the results kept, peaks at or above peak_lower_bound (the largest
+    op's outputs and work buffer on top of the resident memory), which the
+    budget planner uses to refuse a budget without searching."""
+    rng = np.random.default_rng(7)
+    for base in random_chains(6, 14, seed=3):
+        ops = [replace(op, temp_bytes=int(rng.integers(0, 3000)), grad_temp_bytes=int(rng.integers(0, 3000)),
+                       forwards_input=bool(rng.integers(0, 2))) for op in base.ops]
+        model = replace(base, ops=ops, resident_bytes=500, ready_gradients_early=True,
+                        separate_result_kernels=True)
+        bound = peak_lower_bound(model)
+        assert bound == 500 + max(model.tensors[op.outputs[0]].nbytes + op.temp_bytes for op in ops)
+        for _ in range(8):
+            chosen = sorted(int(i) for i in rng.choice(len(ops), size=int(rng.integers(0, 5)), replace=False))
+            peaks = [simulate(model, chosen).peak_bytes,
+                     simulate(model, chosen, keep_x_gradients=True).peak_bytes,
+                     simulate(model, chosen, unpinned=True).peak_bytes,
+                     simulate(model, chosen, swapped=[ops[i].outputs[0] for i in chosen],
+                              cost=CostModel()).peak_bytes]
+            assert min(peaks) >= bound, (chosen, peaks, bound)
