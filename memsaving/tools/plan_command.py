@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
 
+from memsaving.errors import MemsavingError
 from memsaving.planners.planning import Plan
 
 DEFAULT_SIZE = 64
@@ -301,14 +302,20 @@ def trace_plans(model, batch: int, checkpoints="memory", budget=None, swap: str 
                 captured["plain"] = memsaving.plan(loss, weights, checkpoints=[], batch_size=batch)
         swap_kwargs = {"swap": {"auto": "auto", "all": True}[swap]} if swap != "off" else {}
         with timed(clocks, "plan"):
-            captured["plan"] = memsaving.plan(loss, weights, checkpoints=checkpoints, budget=budget,
-                                              batch_size=batch, **swap_kwargs)
+            try:
+                captured["plan"] = memsaving.plan(loss, weights, checkpoints=checkpoints, budget=budget,
+                                                  batch_size=batch, **swap_kwargs)
+            except MemsavingError as error:  # raised again below as it was, not as tf.function re-wraps it
+                captured["plan error"] = error
+                raise
         return loss
 
     try:
         with timed(clocks, "step"):
             step.get_concrete_function(signature)
     except Exception as error:  # pylint: disable=broad-except
+        if "plan error" in captured:
+            raise captured["plan error"] from None
         if "call error" not in captured:
             raise
         original = captured["call error"]
