@@ -81,3 +81,32 @@ def test_a_budget_error_after_a_stopped_search_says_planning_time_may_help():
     with pytest.raises(BudgetError) as unlimited:
         plan_for_budget(_model(), list(range(len(SIZES))), model.resident_bytes + 1)
     assert "planning_time" not in str(unlimited.value)
+
+
+def test_the_lowest_peak_search_runs_a_dozen_simulations_on_large_graphs(monkeypatch):
+    """On thousands of ops the search behind the "memory" mode scores
+    LOWEST_PEAK_EVALUATIONS plans (Chen's greedy plans spread over the
+    whole range of thresholds); small graphs keep a longer search."""
+    from memsaving.planners import budget as planner
+
+    scored = []
+    monkeypatch.setattr(planner, "_search", _counting_search(planner, scored))
+    large = chain_model([8, 1, 8, 8] * 500)
+    planner.lowest_peak_plan(large, list(range(0, 2000, 3)))
+    assert scored == [planner.LOWEST_PEAK_EVALUATIONS]
+    scored.clear()
+    small = chain_model([8, 1, 8, 8] * 50)
+    planner.lowest_peak_plan(small, list(range(0, 200, 3)))
+    assert scored[0] > 3 * planner.LOWEST_PEAK_EVALUATIONS
+
+
+def _counting_search(planner, scored):
+    """``planner._search``, recording how many plans each run scored."""
+    real = planner._search
+
+    def search(*args, **kwargs):
+        found = real(*args, **kwargs)
+        scored.append(len(found.evaluated))
+        return found
+
+    return search
