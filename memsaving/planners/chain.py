@@ -10,8 +10,8 @@ in constant time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Sequence, Union
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -27,6 +27,7 @@ class Chain:
     reads_prefix: np.ndarray  # cumulative grad-read bytes by op position
     largest: np.ndarray  # largest tensor per op position (gradient buffers)
     anchor_cost: np.ndarray  # per candidate: cost of its ops a segment does not recompute
+    _tables: Dict[str, Tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def size(self) -> int:
@@ -67,6 +68,22 @@ class Chain:
 
     def _anchor(self, b: int) -> float:
         return float(self.anchor_cost[b - 1]) if 1 <= b <= self.size else 0.0
+
+    def stretch_tables(self) -> Tuple[np.ndarray, np.ndarray]:
+        """``(cost, memory)``: :meth:`cost` and :meth:`memory` of every
+        stretch ``(a, b)``, ``a < b``, with stage 0 the inputs and stage
+        ``size + 1`` the end (0 elsewhere); computed once per chain, since
+        the multi-level DP is solved for many budgets on one chain."""
+        if "stretches" not in self._tables:
+            end = self.size + 1
+            cost = np.zeros((end + 1, end + 1))
+            memory = np.zeros((end + 1, end + 1))
+            for a in range(end + 1):
+                for b in range(a + 1, end + 1):
+                    cost[a, b] = self.cost(a, b)
+                    memory[a, b] = self.memory(a, b)
+            self._tables["stretches"] = (cost, memory)
+        return self._tables["stretches"]
 
     def cost(self, a: int, b: int) -> float:
         """Recomputation cost of the stretch after cut ``a`` up to cut ``b``:

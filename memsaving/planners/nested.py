@@ -67,7 +67,8 @@ def nested_dp(chain_: Chain, budget: float, buckets: int = 128) -> Optional[Tupl
     kept = np.concatenate([[0], np.ceil(chain_.kept / scale).astype(int), [0]])
     end = m + 1
     grid = np.arange(size)
-    cost = np.array([[chain_.cost(a, b) if a < b else 0.0 for b in range(end + 1)] for a in range(end + 1)])
+    cost, memory = chain_.stretch_tables()
+    need = np.ceil(memory / scale)  # buckets each stretch needs when recomputed whole
     # shifted[c, M] = M - kept[c]: where solve(c, b) is read after holding cut c
     shifted = grid[None, :] - kept[:, None]
     valid = shifted >= 0
@@ -75,26 +76,27 @@ def nested_dp(chain_: Chain, budget: float, buckets: int = 128) -> Optional[Tupl
     solve = np.full((end + 1, end + 1, size), np.inf)
     choice = np.full((end + 1, end + 1, size), LEAF, dtype=int)
     for length in range(1, m + 1):
-        for a in range(0, m + 1 - length):
-            b = a + length
-            need = int(np.ceil(chain_.memory(a, b) / scale))
-            best = np.where(grid >= need, cost[a, b], np.inf)
-            pick = np.full(size, LEAF)
-            if length > 1:
-                inner = np.arange(a + 1, b)
-                later = np.where(valid[inner], solve[inner[:, None], b, shifted[inner]], np.inf)
-                options = cost[a, inner][:, None] + later + solve[a, inner]
-                at = np.argmin(options, axis=0)
-                lowest = options[at, grid]
-                better = lowest < best
-                best = np.where(better, lowest, best)
-                pick = np.where(better, inner[at], pick)
-            solve[a, b] = best
-            choice[a, b] = pick
+        # every stretch (a, a + length] at once; inner cuts c = a + 1 .. b - 1 in order
+        starts = np.arange(0, m + 1 - length)
+        ends = starts + length
+        best = np.where(grid[None, :] >= need[starts, ends][:, None], cost[starts, ends][:, None], np.inf)
+        pick = np.full((len(starts), size), LEAF)
+        if length > 1:
+            inner = starts[:, None] + np.arange(1, length)[None, :]  # (stretches, inner cuts)
+            rows = shifted[inner]  # (stretches, inner cuts, size)
+            later = np.where(valid[inner], solve[inner[:, :, None], ends[:, None, None], rows], np.inf)
+            options = cost[starts[:, None], inner][:, :, None] + later + solve[starts[:, None], inner]
+            at = np.argmin(options, axis=1)  # (stretches, size): the first inner cut on ties
+            lowest = np.take_along_axis(options, at[:, None, :], axis=1)[:, 0, :]
+            better = lowest < best
+            best = np.where(better, lowest, best)
+            pick = np.where(better, np.take_along_axis(inner, at, axis=1), pick)
+        solve[starts, ends] = best
+        choice[starts, ends] = pick
     top = np.full((end + 1, size), np.inf)
     top_choice = np.full((end + 1, size), LEAF, dtype=int)
     for a in range(m, -1, -1):
-        best = np.where(grid >= int(np.ceil(chain_.memory(a, end) / scale)), 0.0, np.inf)
+        best = np.where(grid >= need[a, end], 0.0, np.inf)
         pick = np.full(size, LEAF)
         if a < m:
             later = np.arange(a + 1, m + 1)
