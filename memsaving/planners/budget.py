@@ -332,11 +332,6 @@ def lowest_peak_plan(
     plain = simulate(model, keep_x_gradients=keep_x_gradients)
     options = [((plain.peak_bytes, 0.0), [])] + [
         ((peak, cost), _ops_of(found.cuts, chosen)) for chosen, (cost, peak) in found.evaluated.items()]
-    for ops in low_peak_plans(model, found.cuts):
-        if used_up():
-            break
-        sim = simulate(model, ops, keep_x_gradients=keep_x_gradients)
-        options.append(((sim.peak_bytes, sim.recompute_cost), ops))
     (peak, cost), ops = min(options, key=lambda option: option[0])
     return Proposal(ops, peak, cost, name="lowest")
 
