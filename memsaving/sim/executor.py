@@ -96,7 +96,27 @@ ORDERS = 5
 def unpinned_orders(actions: Sequence, count: int = ORDERS, threads: int = THREADS) -> List[List[int]]:
     """``count`` orders the executor may run ``actions`` in, one per edge
     order drawn (seeds 0, 1, ...)."""
-    return [executor_order(actions, threads, seed) for seed in range(count)]
+    step = _Step.of(actions)
+    return [_executor_order(step, threads, seed) for seed in range(count)]
+
+
+@dataclass
+class _Step:
+    """What every order of one list of actions starts from: each action's
+    predecessors and successors, and its time."""
+
+    preds: List[List[int]]
+    succs: List[List[int]]
+    seconds: List[float]
+
+    @classmethod
+    def of(cls, actions: Sequence) -> "_Step":
+        preds = dependencies(actions)
+        succs: List[List[int]] = [[] for _ in actions]
+        for i, ps in enumerate(preds):
+            for p in ps:
+                succs[p].append(i)
+        return cls(preds, succs, durations(actions))
 
 
 def executor_order(actions: Sequence, threads: int = THREADS, seed: int = 0) -> List[int]:
@@ -107,14 +127,14 @@ def executor_order(actions: Sequence, threads: int = THREADS, seed: int = 0) -> 
     Actions that take no time (views, shape ops) run inline, before the
     thread's next expensive op, as TensorFlow runs inexpensive kernels.
     """
+    return _executor_order(_Step.of(actions), threads, seed)
+
+
+def _executor_order(step: _Step, threads: int, seed: int) -> List[int]:
+    """:func:`executor_order` on the actions ``step`` describes."""
     draw = random.Random(seed)
-    n = len(actions)
-    preds = dependencies(actions)
-    succs: List[List[int]] = [[] for _ in range(n)]
-    for i, ps in enumerate(preds):
-        for p in ps:
-            succs[p].append(i)
-    seconds = durations(actions)
+    preds, succs, seconds = step.preds, step.succs, step.seconds
+    n = len(preds)
     pending = [len(ps) for ps in preds]
     pool = [_Thread() for _ in range(max(1, threads))]
     for k, i in enumerate(i for i in range(n) if not preds[i]):
