@@ -23,9 +23,12 @@ Key = Tuple
 ``"h"``/``"s"`` host copy and swapped-in copy) followed by indices."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Action:
-    """One op run: the buffers it reads and the buffers it creates."""
+    """One op run: the buffers it reads and the buffers it creates.
+
+    Slotted: a replay makes thousands of actions and reads their fields in
+    its inner loops."""
 
     label: str
     reads: List[Key]
@@ -48,10 +51,24 @@ class Action:
 def with_reads(action: Action, reads: List[Key]) -> Action:
     """A copy of ``action`` that reads ``reads`` (``dataclasses.replace``
     without its per-call field checks: replays make thousands)."""
-    copied = object.__new__(Action)
-    copied.__dict__.update(action.__dict__)
-    copied.reads = reads
-    return copied
+    return on_buffers(action, reads, action.writes, action.results)
+
+
+def on_buffers(kernel: Action, reads: List[Key], writes: List[Tuple[Key, int]],
+               results: Tuple[Key, ...] = ()) -> Action:
+    """``kernel`` (its label, cost, stream, temporary and time) run on other
+    buffers: an op's actions differ from plan to plan only in these, so a
+    replay copies what the op's kernel costs from one action made per model.
+
+    Examples
+    --------
+    >>> kernel = Action("backward dense", [], [], cost=6.0, temp=8)
+    >>> run = on_buffers(kernel, [("g", 2, 0)], [(("g", 1, 0), 4)])
+    >>> run.label, run.reads, run.writes, run.cost, run.temp
+    ('backward dense', [('g', 2, 0)], [(('g', 1, 0), 4)], 6.0, 8)
+    """
+    return Action(kernel.label, reads, writes, kernel.cost, kernel.stream, kernel.forwards_buffers,
+                  results, kernel.temp, kernel.seconds)
 
 
 def donations(actions: Sequence[Action], last_read: Dict[Key, int], pinned: Set[Key] = frozenset(),
