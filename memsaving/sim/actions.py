@@ -9,7 +9,7 @@ them to find what a plan keeps between the passes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Container, Dict, FrozenSet, Iterable, List, Sequence, Set, Tuple
 
 from memsaving.model.buffers import Action, Key, on_buffers, with_reads
 from memsaving.model.graph import BACKWARD_COST_FACTOR, GraphModel, OpInfo, gradient_sinks, receives_gradient
@@ -224,7 +224,8 @@ def step_actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[
         unit_ends.append(len(forward) + len(step.actions) - 1)
     if not units or units[0].kind != UnitKind.OUTPUT:
         unit_ends.insert(0, len(model.ops))  # the seed: the forward pass ends there
-    return forward + _pin_view_bases(model, step.actions, forward_written, step.view_readers), unit_ends
+    step.pin_view_bases(forward_written)
+    return forward + step.actions, unit_ends
 
 
 class _BackwardPass:
@@ -240,8 +241,10 @@ class _BackwardPass:
         self.grads = GradientBuffers(model)
         self.sources: Dict[int, Key] = {}  # inner checkpoints rebuilt by advance units
         self.forward = forward_keys(model)
-        self.view_readers: Set[int] = set()
-        """``id`` of each action that may read a view."""
+        self.view_readers: List[Action] = []
+        """The actions that read a tensor that may be a view."""
+        self.copies: Set[Key] = set()
+        """The keys of the recomputed copies (and of what they save)."""
         seed_writes: List[Tuple[Key, int]] = []
         for y in model.ys:
             if model.tensors[y].trainable:
@@ -285,8 +288,9 @@ class _BackwardPass:
                 writes.append((key, op.saved_bytes))
             action = on_buffers(op.recompute if segment else op.advance, reads, writes)
             if op.reads_views:
-                self.view_readers.add(id(action))
+                self.view_readers.append(action)
             self.actions.append(action)
+        self.copies.update(local.values())
 
     def differentiate(self, i: int, local: Dict[int, Key]) -> None:
         """The gradient kernels of op ``i``, once its outputs have gradients."""
@@ -309,8 +313,19 @@ class _BackwardPass:
             action = on_buffers(op.backward, reads, writes,
                                 result_keys(self.model, writes) if kernel.makes_results else ())
             if kernel.reads_views:
-                self.view_readers.add(id(action))
+                self.view_readers.append(action)
             self.actions.append(action)
+
+
+    def pin_view_bases(self, forward_written: Set[Key]) -> None:
+        """Make the reads of views also read their bases
+        (:func:`_pin_view_bases`), once every unit ran: the actions of this
+        step are its own, so their reads are extended in place."""
+        written = _Written(forward_written, self.copies)
+        for action in self.view_readers:
+            extra = _view_base_reads(self.model, action, written)
+            if extra:
+                action.reads = action.reads + extra
 
 
 def forward_keys(model: GraphModel) -> Dict[int, Key]:
@@ -383,8 +398,7 @@ def _view_bases(model: GraphModel) -> Dict[int, int]:
     return base
 
 
-def _pin_view_bases(model: GraphModel, actions: List[Action], written_before: Set[Key],
-                    readers: Optional[Set[int]] = None) -> List[Action]:
+def _pin_view_bases(model: GraphModel, actions: List[Action], written: Container[Key]) -> List[Action]:
     """Make every read of a view also read the buffer it shares.
 
     A view has no bytes of its own, but TensorFlow frees a buffer only when
@@ -393,40 +407,40 @@ def _pin_view_bases(model: GraphModel, actions: List[Action], written_before: Se
     heads) keeps the activation it views alive until its segment.  Counted
     free, such views would look like the cheapest checkpoints of all.
 
-    ``written_before``: the keys written by the actions of the step that
-    come before ``actions`` (the forward pass, for the backward actions).
-    ``readers``: the ``id`` of each action that may read a view, when the
-    caller knows them (the others are left as they are).
+    ``written``: the keys written in the step.
     """
-    base = model.derived("view bases", lambda: _view_bases(model))
-    if not base or readers is not None and not readers:
-        return actions
-    written = _Written(written_before, actions)
     pinned = []
     for action in actions:
-        if readers is not None and id(action) not in readers:
-            pinned.append(action)
-            continue
-        extra = []
-        for key in action.reads:
-            if key[-1] not in base or key[0] not in ("f", "c", "a"):
-                continue
-            same_copy = key[:-1] + (base[key[-1]],)  # the base recomputed with the view
-            target = same_copy if same_copy in written else ("f", base[key[-1]])
-            if target in written and target not in action.reads and target not in extra:
-                extra.append(target)
+        extra = _view_base_reads(model, action, written)
         pinned.append(with_reads(action, list(action.reads) + extra) if extra else action)
     return pinned
 
 
-class _Written:
-    """The keys written in a step: those written before some actions (a
-    set kept per model) and those the actions write, without copying the
-    first."""
+def _view_base_reads(model: GraphModel, action: Action, written: Container[Key]) -> List[Key]:
+    """The buffers ``action`` must read besides its reads, for the views it
+    reads (:func:`_pin_view_bases`): of each view's base, the copy made with
+    the view, else the forward pass's."""
+    base = model.derived("view bases", lambda: _view_bases(model))
+    extra: List[Key] = []
+    if not base:
+        return extra
+    for key in action.reads:
+        if key[-1] not in base or key[0] not in ("f", "c", "a"):
+            continue
+        same_copy = key[:-1] + (base[key[-1]],)  # the base recomputed with the view
+        target = same_copy if same_copy in written else ("f", base[key[-1]])
+        if target in written and target not in action.reads and target not in extra:
+            extra.append(target)
+    return extra
 
-    def __init__(self, before: Set[Key], actions: List[Action]):
-        self.before = before
-        self.here = {key for action in actions for key, _ in action.writes}
+
+class _Written:
+    """The keys a step writes that a read of a view may name: the forward
+    pass's (a set kept per model) and the backward pass's copies, without
+    copying the first."""
+
+    def __init__(self, forward: Set[Key], copies: Set[Key]):
+        self.forward, self.copies = forward, copies
 
     def __contains__(self, key: Key) -> bool:
-        return key in self.before or key in self.here
+        return key in self.forward or key in self.copies
