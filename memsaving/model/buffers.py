@@ -15,7 +15,11 @@ all use these rules, so a buffer rule is written once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain, compress, count as itertools_count, repeat
+from operator import attrgetter, itemgetter
 from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
 
 Key = Tuple
 """A buffer's name: its kind (``"f"`` forward output, ``"g"`` gradient,
@@ -23,9 +27,12 @@ Key = Tuple
 ``"h"``/``"s"`` host copy and swapped-in copy) followed by indices."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Action:
-    """One op run: the buffers it reads and the buffers it creates."""
+    """One op run: the buffers it reads and the buffers it creates.
+
+    Slotted: a replay makes thousands of actions and reads their fields in
+    its inner loops."""
 
     label: str
     reads: List[Key]
@@ -48,10 +55,24 @@ class Action:
 def with_reads(action: Action, reads: List[Key]) -> Action:
     """A copy of ``action`` that reads ``reads`` (``dataclasses.replace``
     without its per-call field checks: replays make thousands)."""
-    copied = object.__new__(Action)
-    copied.__dict__.update(action.__dict__)
-    copied.reads = reads
-    return copied
+    return on_buffers(action, reads, action.writes, action.results)
+
+
+def on_buffers(kernel: Action, reads: List[Key], writes: List[Tuple[Key, int]],
+               results: Tuple[Key, ...] = ()) -> Action:
+    """``kernel`` (its label, cost, stream, temporary and time) run on other
+    buffers: an op's actions differ from plan to plan only in these, so a
+    replay copies what the op's kernel costs from one action made per model.
+
+    Examples
+    --------
+    >>> kernel = Action("backward dense", [], [], cost=6.0, temp=8)
+    >>> run = on_buffers(kernel, [("g", 2, 0)], [(("g", 1, 0), 4)])
+    >>> run.label, run.reads, run.writes, run.cost, run.temp
+    ('backward dense', [('g', 2, 0)], [(('g', 1, 0), 4)], 6.0, 8)
+    """
+    return Action(kernel.label, reads, writes, kernel.cost, kernel.stream, kernel.forwards_buffers,
+                  results, kernel.temp, kernel.seconds)
 
 
 def donations(actions: Sequence[Action], last_read: Dict[Key, int], pinned: Set[Key] = frozenset(),
@@ -69,27 +90,136 @@ def donations(actions: Sequence[Action], last_read: Dict[Key, int], pinned: Set[
     ``size``: each key's bytes as its last write gives them, when the
     caller has them already.
     """
-    forwarding = [i for i, action in enumerate(actions) if action.forwards_buffers]
-    if not forwarding:
-        return {}
-    if size is None:
-        size = {key: nbytes for action in actions for key, nbytes in action.writes}
+    buffers = _Buffers(actions)
+    last = buffers.per_buffer(last_read, -1)
+    sizes = buffers.sizes() if size is None else buffers.per_buffer(size, 0)
+    timing = None
+    if last_end is not None:
+        timing = (buffers.per_buffer(last_end, np.inf, float), np.asarray(finished, dtype=float))
     given: Dict[Tuple[int, Key], Key] = {}
-    for i in forwarding:
-        action = actions[i]
-        donors = [key for key in dict.fromkeys(action.reads) if last_read.get(key) == i]
-        if not donors:
-            continue
-        written = {key for key, _ in action.writes}
-        donors = [key for key in donors
-                  if key not in pinned and key not in written and size.get(key, 0) > 0
-                  and (last_end is None or last_end[key] <= finished[i])]
-        for key, nbytes in action.writes:
-            donor = next((d for d in donors if size[d] == nbytes), None)
-            if donor is not None and nbytes > 0:
-                given[i, key] = donor
-                donors.remove(donor)
+    for taker, write, donor in zip(*(part.tolist() for part in buffers.handovers(last, sizes, pinned, timing))):
+        given[taker, buffers.write_keys[write]] = buffers.reads[donor]
     return given
+
+
+class _Buffers:
+    """The reads and writes of a list of actions as rows of arrays: for each
+    read, the action and the buffer's number; for each write, the action,
+    the buffer's number and its bytes.  The buffer rules then run over
+    arrays, not action by action (a replay has thousands of actions).
+    Rows follow the list: actions in order, each one's reads (or writes)
+    in its order."""
+
+    def __init__(self, actions: Sequence[Action]):
+        self.actions = actions
+        count = len(actions)
+        read_lists = list(map(attrgetter("reads"), actions))
+        write_lists = list(map(attrgetter("writes"), actions))
+        writes = list(chain.from_iterable(write_lists))
+        self.reads: List[Key] = list(chain.from_iterable(read_lists))
+        self.write_keys: List[Key] = list(map(itemgetter(0), writes))
+        # a key's number: the row of its first write or read (numbers have gaps)
+        self.number: Dict[Key, int] = {}
+        rows = itertools_count()
+        self.write_id = np.fromiter(map(self.number.setdefault, self.write_keys, rows), np.intp, len(writes))
+        self.read_id = np.fromiter(map(self.number.setdefault, self.reads, rows), np.intp, len(self.reads))
+        self.numbers = len(writes) + len(self.reads)
+        self.write_action = np.repeat(np.arange(count), np.fromiter(map(len, write_lists), np.intp, count))
+        self.read_action = np.repeat(np.arange(count), np.fromiter(map(len, read_lists), np.intp, count))
+        self.write_bytes = np.fromiter(map(itemgetter(1), writes), np.int64, len(writes))
+        self.forwards = np.fromiter(map(attrgetter("forwards_buffers"), actions), bool, count)
+
+    def last_reads(self) -> np.ndarray:
+        """Per buffer, the index of the last action reading it (-1: none)."""
+        last = np.full(self.numbers, -1, np.intp)
+        np.maximum.at(last, self.read_id, self.read_action)
+        return last
+
+    def sizes(self) -> np.ndarray:
+        """Per buffer, the bytes its last write gives it (0: never written)."""
+        sizes = np.zeros(self.numbers, np.int64)
+        ids, last_rows = np.unique(self.write_id[::-1], return_index=True)
+        sizes[ids] = self.write_bytes[::-1][last_rows]
+        return sizes
+
+    def per_buffer(self, values: Dict[Key, float], default: float, dtype: type = np.intp) -> np.ndarray:
+        """``values`` (by key) as an array by buffer number."""
+        found = np.full(self.numbers, default, dtype)
+        found[np.fromiter(self.number.values(), np.intp, len(self.number))] = np.fromiter(
+            map(values.get, self.number, repeat(default)), dtype, len(self.number))
+        return found
+
+    def mask(self, keys: Set[Key]) -> np.ndarray:
+        """Per buffer, whether its key is one of ``keys``."""
+        found = np.zeros(self.numbers, bool)
+        found[[self.number[key] for key in keys if key in self.number]] = True
+        return found
+
+    def handovers(self, last: np.ndarray, sizes: np.ndarray, pinned: Set[Key],
+                  timing: Optional[Tuple[np.ndarray, np.ndarray]] = None) -> Tuple[np.ndarray, ...]:
+        """The rule of :func:`donations` on the arrays: ``(action, write row,
+        read row of the buffer handed over)`` of each hand-over, in the
+        order of the writes.  ``last`` and ``sizes``: per buffer, its last
+        reader and its bytes; ``timing``: per buffer when its last reader
+        ends, and per action when it ends (timed replays).
+
+        An in-place action offers the buffers it reads last (each once, in
+        the order it reads them) that are not pinned, not written by it,
+        and hold bytes; its writes with bytes take them in order, each the
+        first offered one of its size.  So the k-th write of a size takes
+        the k-th offered buffer of that size, which is how the rows are
+        paired."""
+        read_id, read_action = self.read_id, self.read_action
+        offered = np.flatnonzero(self.forwards[read_action] & (last[read_id] == read_action)
+                                 & (sizes[read_id] > 0) & ~self.mask(pinned)[read_id])
+        if timing is not None:
+            last_end, finished = timing
+            offered = offered[last_end[read_id[offered]] <= finished[read_action[offered]]]
+        pair = read_action[offered] * self.numbers + read_id[offered]
+        _, first = np.unique(pair, return_index=True)  # each buffer once, at its first read
+        first.sort()
+        offered, pair = offered[first], pair[first]
+        offered = offered[~_among(pair, self.write_action * self.numbers + self.write_id)]  # rewritten in place
+        offering = np.zeros(len(self.actions), bool)
+        offering[read_action[offered]] = True
+        takers = np.flatnonzero((self.write_bytes > 0) & offering[self.write_action])
+        offered_size = sizes[read_id[offered]]
+        taken_size = self.write_bytes[takers]
+        # pair rows by (action, size, rank among the action's rows of that size)
+        size_code = np.unique(np.concatenate([offered_size, taken_size]), return_inverse=True)[1].reshape(-1)
+        offered_key = (read_action[offered], size_code[:len(offered)])
+        taken_key = (self.write_action[takers], size_code[len(offered):])
+        offered_key += (_ranks(*offered_key),)
+        taken_key += (_ranks(*taken_key),)
+        bounds = [int(max(np.max(a, initial=0), np.max(b, initial=0))) + 1 for a, b in zip(offered_key, taken_key)]
+        _, by_offer, by_write = np.intersect1d(np.ravel_multi_index(offered_key, bounds),
+                                               np.ravel_multi_index(taken_key, bounds),
+                                               assume_unique=True, return_indices=True)
+        order = np.argsort(takers[by_write])
+        writes = takers[by_write][order]
+        return self.write_action[writes], writes, offered[by_offer][order]
+
+
+def _among(values: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+    """Per value, whether it is one of ``candidates`` (``np.isin`` without
+    its lookup table, which spans the whole range of the values)."""
+    candidates = np.sort(candidates)
+    found = np.searchsorted(candidates, values)
+    return candidates[np.minimum(found, len(candidates) - 1)] == values if len(candidates) else np.zeros(len(values), bool)
+
+
+def _ranks(groups: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Each row's rank among the earlier rows of the same group and size."""
+    if not len(groups):
+        return np.zeros(0, np.intp)
+    order = np.lexsort((sizes, groups))  # stable: equal rows keep their order
+    group, size = groups[order], sizes[order]
+    starts = np.ones(len(order), bool)
+    starts[1:] = (group[1:] != group[:-1]) | (size[1:] != size[:-1])
+    position = np.arange(len(order))
+    rank = np.empty(len(order), np.intp)
+    rank[order] = position - np.maximum.accumulate(np.where(starts, position, 0))
+    return rank
 
 
 def consumed_at_once(key: Key, action: Action, i: int, last_read: Dict[Key, int], pinned: Set[Key]) -> bool:
@@ -111,45 +241,127 @@ def memory_replay(actions: List[Action], pinned: Set[Key]) -> Tuple[List[int], i
     written when nothing reads it), or handed to an in-place write
     (:func:`donations`); ``pinned`` buffers are never freed.  An action's
     temporary (:attr:`Action.temp`) is in use while it runs, not after.
+
+    Each buffer adds its bytes to the action that writes it and takes them
+    off the action that frees it; the bytes in use are the running sum
+    (:class:`_Changes`).
     """
-    last_read: Dict[Key, int] = {}
-    for i, action in enumerate(actions):
-        for key in action.reads:
-            last_read[key] = i
-    dies_at: List[List[Key]] = [[] for _ in actions]
-    size: Dict[Key, int] = {}
-    for i, action in enumerate(actions):
-        for key, nbytes in action.writes:
-            size[key] = nbytes
-            if key not in pinned:
-                end = last_read.get(key, i)
-                dies_at[end if end > i else i].append(key)
-    given = donations(actions, last_read, pinned, size=size)
-    live: Dict[Key, int] = {}
-    in_use = 0
-    peak = 0
-    timeline = []
-    for i, action in enumerate(actions):
-        transient = ()
-        if action.results:
-            transient = {key: nbytes for key, nbytes in action.writes
-                         if consumed_at_once(key, action, i, last_read, pinned)}
-        if transient:
-            peak = max(peak, in_use + max(transient.values()))
-        elif in_use > peak:
-            peak = in_use
-        for key, nbytes in action.writes:
-            if key in transient:
-                continue
-            if given:
-                donor = given.get((i, key))
-                if donor is not None:
-                    in_use -= live.pop(donor, 0)  # the write takes over its buffer
-            in_use += nbytes - live.get(key, 0)
-            live[key] = nbytes
-        if in_use + action.temp > peak:
-            peak = in_use + action.temp  # the kernel's work buffers, freed when it ends
-        for key in dies_at[i]:
-            in_use -= live.pop(key, 0)
-        timeline.append(in_use)
-    return timeline, peak
+    if not actions:
+        return [], 0
+    buffers = _Buffers(actions)
+    return _Changes(buffers, pinned).totals()
+
+
+class _Changes:
+    """How each action of a replay changes the bytes in use: its writes add
+    (``allocated``, net of the buffers they take over or replace), its end
+    frees (``freed``); the results it consumes at once
+    (:func:`consumed_at_once`) add to the peak only, before its writes
+    (``consumed``)."""
+
+    def __init__(self, buffers: _Buffers, pinned: Set[Key]):
+        count = len(buffers.actions)
+        self.buffers, self.pinned = buffers, pinned
+        self.last = buffers.last_reads()
+        self.allocated = np.zeros(count, np.int64)
+        self.freed = np.zeros(count, np.int64)
+        self.consumed = np.zeros(count, np.int64)
+        taker = np.full(buffers.numbers, -1, np.intp)
+        actions, writes, donors = buffers.handovers(self.last, buffers.sizes(), pinned)
+        # a write listed twice in an action keeps the buffer of its last hand-over
+        _, last_first = np.unique((actions * buffers.numbers + buffers.write_id[writes])[::-1], return_index=True)
+        kept = len(writes) - 1 - last_first
+        taker[buffers.read_id[donors[kept]]] = actions[kept]
+        rows = np.ones(len(buffers.write_id), bool)  # the writes that allocate
+        rows[self._consumed_rows()] = False
+        once = np.bincount(buffers.write_id, minlength=buffers.numbers)[buffers.write_id] == 1
+        self._add_written_once(np.flatnonzero(rows & once), taker)
+        for rows_of_key in _groups(buffers.write_id, np.flatnonzero(~once)):
+            self._follow(rows_of_key, rows, taker)
+
+    def _consumed_rows(self) -> List[int]:
+        """The write rows of results consumed at once; ``consumed`` gets
+        each action's largest."""
+        buffers, found = self.buffers, []
+        start = np.concatenate([[0], np.cumsum(np.bincount(buffers.write_action, minlength=len(buffers.actions)))])
+        last_read = _LastReads(buffers.number, self.last)
+        for i in compress(range(len(buffers.actions)), map(attrgetter("results"), buffers.actions)):
+            action = buffers.actions[i]
+            consumed = {key: nbytes for key, nbytes in action.writes
+                        if consumed_at_once(key, action, i, last_read, self.pinned)}
+            if consumed:
+                self.consumed[i] = max(consumed.values())
+                found += [int(start[i]) + k for k, (key, _) in enumerate(action.writes) if key in consumed]
+        return found
+
+    def _add_written_once(self, rows: np.ndarray, taker: np.ndarray) -> None:
+        """Buffers written once (``rows``: their allocating writes): their
+        bytes from the write to their last read, or to the write that
+        takes them over; pinned ones stay."""
+        buffers = self.buffers
+        ids, actions, nbytes = buffers.write_id[rows], buffers.write_action[rows], buffers.write_bytes[rows]
+        np.add.at(self.allocated, actions, nbytes)
+        dying = ~buffers.mask(self.pinned)[ids]
+        ids, actions, nbytes = ids[dying], actions[dying], nbytes[dying]
+        handed = taker[ids] > actions
+        np.add.at(self.allocated, taker[ids[handed]], -nbytes[handed])
+        ends = np.maximum(self.last[ids[~handed]], actions[~handed])
+        np.add.at(self.freed, ends, nbytes[~handed])
+
+    def _follow(self, rows: np.ndarray, allocating: np.ndarray, taker: np.ndarray) -> None:
+        """A buffer written more than once (a result several kernels write;
+        ``rows``: its writes), event by event: a write replaces the bytes in
+        use under the key; the write it is handed to and the frees after
+        last reads take them off."""
+        buffers = self.buffers
+        key_id = int(buffers.write_id[rows[0]])
+        pinned = buffers.write_keys[int(rows[0])] in self.pinned
+        events = []  # (action, phase: 0 writes and hand-overs / 1 frees, row, bytes written or None)
+        for row in rows.tolist():
+            i = int(buffers.write_action[row])
+            if allocating[row]:
+                events.append((i, 0, row, int(buffers.write_bytes[row])))
+            if not pinned:
+                events.append((max(int(self.last[key_id]), i), 1, row, None))
+        if taker[key_id] >= 0:
+            events.append((int(taker[key_id]), 0, -1, None))
+        live = None
+        for i, phase, _, nbytes in sorted(events, key=lambda event: event[:3]):
+            if nbytes is not None:
+                self.allocated[i] += nbytes - (live or 0)
+                live = nbytes
+            elif live is not None:
+                if phase == 0:
+                    self.allocated[i] -= live
+                else:
+                    self.freed[i] += live
+                live = None
+
+    def totals(self) -> Tuple[List[int], int]:
+        """Bytes in use after each action, and the peak: before an action
+        (plus a result it consumes at once) or during it (its writes and
+        its temporary)."""
+        in_use = np.cumsum(self.allocated - self.freed)
+        before = np.concatenate([[0], in_use[:-1]])
+        temp = np.fromiter(map(attrgetter("temp"), self.buffers.actions), np.int64, len(in_use))
+        peak = max(0, int((before + self.consumed).max()), int((before + self.allocated + temp).max()))
+        return in_use.tolist(), peak
+
+
+def _groups(ids: np.ndarray, rows: np.ndarray) -> List[np.ndarray]:
+    """``rows`` grouped by ``ids[rows]``, each group in row order."""
+    order = np.argsort(ids[rows], kind="stable")
+    rows = rows[order]
+    splits = np.flatnonzero(np.diff(ids[rows])) + 1
+    return np.split(rows, splits) if len(rows) else []
+
+
+class _LastReads:
+    """Each key's last reader, looked up by key, for :func:`consumed_at_once`."""
+
+    def __init__(self, number: Dict[Key, int], last: np.ndarray):
+        self.number, self.last = number, last
+
+    def get(self, key: Key, default: int) -> int:
+        found = self.number.get(key)
+        return default if found is None or self.last[found] < 0 else int(self.last[found])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from memsaving.model.graph import GraphModel
 
@@ -65,7 +65,15 @@ def kept_set(model: GraphModel, checkpoint_ops: Iterable[int]) -> Set[int]:
     a unit of its own, or the gradient would stop at ``x`` instead of flowing
     on to what lies before it, as it does in ``tf.gradients``.
     """
-    kept = {i for i in checkpoint_ops if model.ops[i].forward}
+    return {i for i in checkpoint_ops if model.ops[i].forward} | model.derived(
+        "always kept", lambda: _always_kept(model))
+
+
+def _always_kept(model: GraphModel) -> FrozenSet[int]:
+    """The ops :func:`kept_set` keeps whatever the checkpoints: forward
+    producers of ``xs``, non-copyable forward ops and the forward producers
+    of their trainable inputs."""
+    kept = set()
     for x in model.xs:
         producer = model.tensors[x].producer
         if producer >= 0 and model.ops[producer].forward:
@@ -77,12 +85,12 @@ def kept_set(model: GraphModel, checkpoint_ops: Iterable[int]) -> Set[int]:
                 info = model.tensors[t]
                 if info.trainable and info.producer >= 0 and model.ops[info.producer].forward:
                     kept.add(info.producer)
-    return kept
+    return frozenset(kept)
 
 
 def closure(model: GraphModel, seeds: Iterable[int], kept: Set[int]) -> tuple:
     """Forward ops needed to compute ``seeds`` back to kept tensors, in order."""
-    xs = set(model.xs)
+    feeders = model.derived("forward feeders", lambda: _forward_feeders(model))
     found: Set[int] = set()
     stack = list(seeds)
     while stack:
@@ -90,11 +98,21 @@ def closure(model: GraphModel, seeds: Iterable[int], kept: Set[int]) -> tuple:
         if i in found:
             continue
         found.add(i)
-        for t in model.ops[i].inputs:
-            producer = model.tensors[t].producer
-            if producer >= 0 and model.ops[producer].forward and producer not in kept and t not in xs:
+        for producer in feeders[i]:
+            if producer not in kept:
                 stack.append(producer)
     return tuple(sorted(found))
+
+
+def _forward_feeders(model: GraphModel) -> List[Tuple[int, ...]]:
+    """Per op, the forward ops producing its inputs (other than ``xs``): the
+    edges :func:`closure` follows back to kept tensors."""
+    xs = set(model.xs)
+    feeders = []
+    for op in model.ops:
+        producers = [model.tensors[t].producer for t in op.inputs if t not in xs]
+        feeders.append(tuple(p for p in producers if p >= 0 and model.ops[p].forward))
+    return feeders
 
 
 _GRADIENT_REWRITES_FORWARD = frozenset({

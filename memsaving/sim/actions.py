@@ -8,9 +8,10 @@ them to find what a plan keeps between the passes.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Set, Tuple
+from dataclasses import dataclass
+from typing import Container, Dict, FrozenSet, Iterable, List, Sequence, Set, Tuple
 
-from memsaving.model.buffers import Action, Key, with_reads
+from memsaving.model.buffers import Action, Key, on_buffers, with_reads
 from memsaving.model.graph import BACKWARD_COST_FACTOR, GraphModel, OpInfo, gradient_sinks, receives_gradient
 from memsaving.model.schedule import RECOMPUTING, Unit, UnitKind, recomputes_anchor
 
@@ -70,37 +71,144 @@ class GradientBuffers:
     >>> y = grads.model.ys[0]
     >>> reads, writes = [], []
     >>> grads.add(y, reads, writes); grads.add(y, reads, writes)
-    >>> reads, [key for key, _ in writes]
-    ([('g', 2, 0)], [('g', 2, 0), ('g', 2, 1)])
+    >>> reads, [key for key, _ in writes], grads.current([1, y])
+    ([('g', 2, 0)], [('g', 2, 0), ('g', 2, 1)], [('g', 2, 1)])
     """
 
     def __init__(self, model: GraphModel):
         self.model = model
-        self.sinks = gradient_sinks(model)
-        self.version: Dict[int, int] = {}
+        self.sinks, self.nbytes = model.derived("gradient buffers", lambda: _gradient_buffers(model))
+        self.latest: Dict[int, Key] = {}
+        """Each tensor's running sum so far (the key object itself, so the
+        replay's look-ups of a buffer written and read find the same one)."""
 
     def has(self, t: int) -> bool:
         """Whether a contribution to ``t``'s gradient (not a result's) was written."""
-        return t in self.version
+        return t in self.latest
 
     def key(self, t: int) -> Key:
         """The buffer holding ``t``'s gradient so far."""
-        return ("g", t) if t in self.sinks else ("g", t, self.version[t])
+        return ("g", t) if t in self.sinks else self.latest[t]
+
+    def current(self, tensors: Iterable[int]) -> List[Key]:
+        """The buffers holding the gradients so far of those of ``tensors``
+        that have a contribution (:meth:`has`), in order."""
+        latest = self.latest
+        return [latest[t] for t in tensors if t in latest]
 
     def add(self, t: int, reads: List[Key], writes: List[Tuple[Key, int]]) -> None:
         """One contribution to ``t``'s gradient, by the action whose
         ``reads`` and ``writes`` are given: it reads the running sum, if
         any, and writes the new sum."""
-        info = self.model.tensors[t]
         if t in self.sinks:
-            writes.append((("g", t), info.gradient_bytes))
+            writes.append((("g", t), self.nbytes[t]))
             return
-        if t in self.version:
-            reads.append(self.key(t))
-            self.version[t] += 1
+        previous = self.latest.get(t)
+        if previous is None:
+            key = ("g", t, 0)
         else:
-            self.version[t] = 0
-        writes.append((self.key(t), 0 if info.folded_gradient else info.gradient_bytes))
+            reads.append(previous)
+            key = ("g", t, previous[2] + 1)
+        self.latest[t] = key
+        writes.append((key, self.nbytes[t]))
+
+
+def _gradient_buffers(model: GraphModel) -> Tuple[FrozenSet[int], Dict[int, int]]:
+    """The gradient sinks and each tensor's gradient buffer bytes (a
+    result's full size; 0 for other folded gradients), for :class:`GradientBuffers`."""
+    sinks = frozenset(gradient_sinks(model))
+
+    def nbytes(t: int) -> int:
+        info = model.tensors[t]
+        return info.gradient_bytes if t in sinks or not info.folded_gradient else 0
+
+    return sinks, _Memo(nbytes)
+
+
+class _Memo(dict):
+    """A dict filling itself with ``compute(key)`` on a miss (tensor ids
+    may be the keys of a dict or the indices of a list)."""
+
+    def __init__(self, compute):
+        super().__init__()
+        self.compute = compute
+
+    def __missing__(self, key):
+        value = self[key] = self.compute(key)
+        return value
+
+
+@dataclass(frozen=True)
+class _GradientKernel:
+    """One kernel of an op's gradient that writes gradients: the inputs it
+    makes them for and the forward tensors it reads."""
+
+    targets: Tuple[int, ...]
+    reads: Tuple[int, ...]
+    makes_results: bool
+    """Some target is a gradient sink and the model makes results with
+    kernels of their own (:func:`result_keys` may find some)."""
+    reads_views: bool
+
+
+@dataclass(frozen=True)
+class _OpKernels:
+    """What an op's actions are in every plan, made once per model: each
+    kind of run with its label and cost (:func:`op_action`, on no buffers
+    yet), the buffers it reads and writes by tensor, the gradient's
+    kernels.  A plan only chooses which buffers they are
+    (:func:`memsaving.model.buffers.on_buffers`)."""
+
+    recompute: Action
+    advance: Action
+    backward: Action
+    inputs: Tuple[int, ...]
+    """The inputs some op of the step makes (the others are resident)."""
+    outputs: Tuple[int, ...]
+    output_bytes: Tuple[Tuple[int, int], ...]
+    """Each output and its bytes."""
+    saved_bytes: int
+    kernels: Tuple[_GradientKernel, ...]
+    recomputed_as_anchor: bool
+    """A segment recomputes the op even when it anchors it (:func:`recomputes_anchor`)."""
+    reads_views: bool
+    """Some input is a view (:func:`_pin_view_bases` looks at its copies)."""
+
+
+def _op_kernels(model: GraphModel) -> List[_OpKernels]:
+    """:class:`_OpKernels` of every op.
+
+    The gradient runs a kernel per input gradient when the executor runs
+    each when it is ready (:attr:`memsaving.model.graph.OpInfo.input_grad_reads`
+    with ``ready_gradients_early``), else one for all; each kernel has its
+    share of the cost, and kernels making no gradient are left out."""
+    sinks = frozenset(gradient_sinks(model))
+    views = model.derived("view bases", lambda: _view_bases(model))
+    found = []
+    for op in model.ops:
+        split = bool(op.input_grad_reads) and model.ready_gradients_early
+        groups = [(k,) for k in range(len(op.inputs))] if split else [tuple(range(len(op.inputs)))]
+        kernels = []
+        for inputs in groups:
+            targets = tuple(op.inputs[k] for k in inputs if receives_gradient(model, op.inputs[k], sinks))
+            if targets:
+                reads = op.input_grad_reads[inputs[0]] if split else op.grad_reads
+                kernels.append(_GradientKernel(
+                    targets, reads, makes_results=model.separate_result_kernels and not sinks.isdisjoint(targets),
+                    reads_views=any(t in views for t in reads)))
+        inputs = tuple(t for t in op.inputs if model.tensors[t].producer >= 0)
+        found.append(_OpKernels(
+            recompute=op_action(op, f"recompute {op.name}", [], []),
+            advance=op_action(op, f"advance {op.name}", [], []),
+            backward=op_action(op, f"backward {op.name}", [], [], backward=True, share=len(groups)),
+            inputs=inputs,
+            outputs=op.outputs,
+            output_bytes=tuple((t, model.tensors[t].nbytes) for t in op.outputs),
+            saved_bytes=op.saved_bytes,
+            kernels=tuple(kernels),
+            recomputed_as_anchor=recomputes_anchor(op.type),
+            reads_views=any(t in views for t in inputs)))
+    return found
 
 
 def step_actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List[Action], List[int]]:
@@ -108,92 +216,134 @@ def step_actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[
     backward pass runs ``units`` (:func:`memsaving.model.schedule.backward_units`),
     and the index of the last action of each unit (the first entry is the
     end of the forward pass when the first unit is not the output unit)."""
-    tensors = model.tensors
     forward, forward_written = model.derived("forward actions", lambda: _forward_actions(model))
-    actions: List[Action] = list(forward)
-
-    grads = GradientBuffers(model)
-    seed_writes: List[Tuple[Key, int]] = []
-    for y in model.ys:
-        if tensors[y].trainable:
-            grads.add(y, [], seed_writes)
-    actions.append(Action("seed gradients", [], seed_writes))
-
-    sources: Dict[int, Key] = {}  # inner checkpoints rebuilt by advance units
+    step = _BackwardPass(model)
     unit_ends: List[int] = []
+    for unit in units:
+        step.run(unit)
+        unit_ends.append(len(forward) + len(step.actions) - 1)
+    if not units or units[0].kind != UnitKind.OUTPUT:
+        unit_ends.insert(0, len(model.ops))  # the seed: the forward pass ends there
+    step.pin_view_bases(forward_written)
+    return forward + step.actions, unit_ends
 
-    def source(t: int, local: Dict[int, Key]) -> Key:
-        return local.get(t) or sources.get(t) or ("f", t)
 
-    def differentiate(i: int, local: Dict[int, Key], label: str):
-        op = model.ops[i]
-        incoming = [grads.key(t) for t in op.outputs if grads.has(t)]
+class _BackwardPass:
+    """The backward actions of one step, unit by unit: the seed, then each
+    unit's recomputation and gradient kernels.
+
+    A unit reads a tensor from its own copy (``local``), else from the copy
+    an advance unit made (``sources``), else from the forward pass."""
+
+    def __init__(self, model: GraphModel):
+        self.model = model
+        self.ops = model.derived("op kernels", lambda: _op_kernels(model))
+        self.grads = GradientBuffers(model)
+        self.sources: Dict[int, Key] = {}  # inner checkpoints rebuilt by advance units
+        self.forward = forward_keys(model)
+        self.view_readers: List[Action] = []
+        """The actions that read a tensor that may be a view."""
+        self.copies: Set[Key] = set()
+        """The keys of the recomputed copies (and of what they save)."""
+        seed_writes: List[Tuple[Key, int]] = []
+        for y in model.ys:
+            if model.tensors[y].trainable:
+                self.grads.add(y, [], seed_writes)
+        self.actions: List[Action] = [Action("seed gradients", [], seed_writes)]
+
+    def run(self, unit: Unit) -> None:
+        """Append ``unit``'s actions."""
+        local: Dict[int, Key] = {}
+        start = len(self.actions)
+        if unit.kind in RECOMPUTING:
+            self.recompute(unit, local)
+        if unit.kind == UnitKind.ADVANCE:
+            self.sources.update(local)
+            return
+        end = len(self.actions)
+        for i in reversed(unit.ops):
+            self.differentiate(i, local)
+        if unit.kind == UnitKind.SEGMENT and self.model.ready_gradients_early:
+            self.actions[start:] = ready_gradients_first(self.actions[start:end], self.actions[end:])
+
+    def recompute(self, unit: Unit, local: Dict[int, Key]) -> None:
+        """The copies of ``unit``'s ops, writing ``local`` buffers (keyed by
+        the unit's tag and anchor)."""
+        segment = unit.kind == UnitKind.SEGMENT
+        tag, anchor, sources, forward = ("c" if segment else "a"), unit.anchor, self.sources, self.forward
+        # the copies wait on the anchor's output gradient
+        anchor_gradients = self.grads.current(self.model.ops[anchor].outputs)
+        for i in unit.ops:
+            op = self.ops[i]
+            if i == anchor and segment and not op.recomputed_as_anchor:
+                continue  # kept: its gradient reads the kept outputs
+            reads = [local.get(t) or sources.get(t) or forward[t] for t in op.inputs]
+            reads += anchor_gradients
+            writes = []
+            for t, nbytes in op.output_bytes:
+                key = local[t] = (tag, anchor, t)
+                writes.append((key, nbytes))
+            if op.saved_bytes and segment:  # advance copies are not differentiated
+                key = local[saved_key(i)] = saved_key(i, tag, anchor)
+                writes.append((key, op.saved_bytes))
+            action = on_buffers(op.recompute if segment else op.advance, reads, writes)
+            if op.reads_views:
+                self.view_readers.append(action)
+            self.actions.append(action)
+        self.copies.update(local.values())
+
+    def differentiate(self, i: int, local: Dict[int, Key]) -> None:
+        """The gradient kernels of op ``i``, once its outputs have gradients."""
+        op = self.ops[i]
+        grads, sources, forward = self.grads, self.sources, self.forward
+        incoming = grads.current(op.outputs)
         if not incoming:
             return
         saved = []
         if op.saved_bytes:
             key = saved_key(i)
             saved.append(local.get(key) or sources.get(key) or key)
-        # a kernel per input gradient when the executor runs each when it is ready, else one for all
-        split = bool(op.input_grad_reads) and model.ready_gradients_early
-        kernels = [(k,) for k in range(len(op.inputs))] if split else [tuple(range(len(op.inputs)))]
-        for inputs in kernels:
-            targets = [op.inputs[k] for k in inputs if receives_gradient(model, op.inputs[k], grads.sinks)]
-            if not targets:
-                continue
-            read = op.input_grad_reads[inputs[0]] if split else op.grad_reads
-            reads: List[Key] = incoming + [source(t, local) for t in read] + saved
+        for kernel in op.kernels:
+            reads: List[Key] = incoming + [local.get(t) or sources.get(t) or forward[t] for t in kernel.reads]
+            if saved:
+                reads += saved
             writes: List[Tuple[Key, int]] = []
-            for t in targets:
+            for t in kernel.targets:
                 grads.add(t, reads, writes)
-            actions.append(op_action(op, f"{label} {op.name}", reads, writes, backward=True,
-                                     results=result_keys(model, writes), share=len(kernels)))
+            action = on_buffers(op.backward, reads, writes,
+                                result_keys(self.model, writes) if kernel.makes_results else ())
+            if kernel.reads_views:
+                self.view_readers.append(action)
+            self.actions.append(action)
 
-    for unit in units:
-        local: Dict[int, Key] = {}
-        recompute_start = len(actions)
-        if unit.kind in RECOMPUTING:
-            tag = "c" if unit.kind == UnitKind.SEGMENT else "a"
-            label = "recompute" if unit.kind == UnitKind.SEGMENT else "advance"
-            for i in unit.ops:
-                op = model.ops[i]
-                if i == unit.anchor and unit.kind == UnitKind.SEGMENT and not recomputes_anchor(op.type):
-                    continue  # kept: its gradient reads the kept outputs
-                reads = [source(t, local) for t in op.inputs if tensors[t].producer >= 0]
-                # the copies wait on the anchor's output gradient
-                reads += [grads.key(t) for t in model.ops[unit.anchor].outputs if grads.has(t)]
-                writes = []
-                for t in op.outputs:
-                    local[t] = (tag, unit.anchor, t)
-                    writes.append((local[t], tensors[t].nbytes))
-                if op.saved_bytes and unit.kind == UnitKind.SEGMENT:  # advance copies are not differentiated
-                    local[saved_key(i)] = saved_key(i, tag, unit.anchor)
-                    writes.append((local[saved_key(i)], op.saved_bytes))
-                actions.append(op_action(op, f"{label} {op.name}", reads, writes))
-        if unit.kind == UnitKind.ADVANCE:
-            sources.update(local)
-        else:
-            recompute_end = len(actions)
-            for i in reversed(unit.ops):
-                differentiate(i, local, "backward")
-            if unit.kind == UnitKind.SEGMENT and model.ready_gradients_early:
-                actions[recompute_start:] = ready_gradients_first(actions[recompute_start:recompute_end],
-                                                                  actions[recompute_end:])
-        unit_ends.append(len(actions) - 1)
-    if not units or units[0].kind != UnitKind.OUTPUT:
-        unit_ends.insert(0, len(model.ops))  # the seed: the forward pass ends there
-    backward = actions[len(forward):]
-    return forward + _pin_view_bases(model, backward, forward_written), unit_ends
+
+    def pin_view_bases(self, forward_written: Set[Key]) -> None:
+        """Make the reads of views also read their bases
+        (:func:`_pin_view_bases`), once every unit ran: the actions of this
+        step are its own, so their reads are extended in place."""
+        written = _Written(forward_written, self.copies)
+        for action in self.view_readers:
+            extra = _view_base_reads(self.model, action, written)
+            if extra:
+                action.reads = action.reads + extra
+
+
+def forward_keys(model: GraphModel) -> Dict[int, Key]:
+    """Each tensor's forward buffer ``("f", t)``, one key object per model:
+    a replay looks every read up among the writes, and equal keys that are
+    the same object compare at once."""
+    return model.derived("forward keys", lambda: _Memo(lambda t: ("f", t)))
 
 
 def _forward_actions(model: GraphModel) -> Tuple[List[Action], Set[Key]]:
     """The forward pass's actions, the same in every plan (views pinned,
     see :func:`_pin_view_bases`), and the keys they write."""
     tensors = model.tensors
+    keys = forward_keys(model)
     actions: List[Action] = []
     for i, op in enumerate(model.ops):
-        reads = [("f", t) for t in op.inputs if tensors[t].producer >= 0]
-        writes = [(("f", t), tensors[t].nbytes) for t in op.outputs]
+        reads = [keys[t] for t in op.inputs if tensors[t].producer >= 0]
+        writes = [(keys[t], tensors[t].nbytes) for t in op.outputs]
         if op.saved_bytes and op.forward:
             writes.append((saved_key(i), op.saved_bytes))
         actions.append(op_action(op, f"forward {op.name}", reads, writes))
@@ -222,7 +372,7 @@ def ready_gradients_first(recompute: List[Action], backward: List[Action]) -> Li
     waiting = {key for action in recompute for key, _ in action.writes}
     ready, late = [], []
     for action in backward:
-        if any(key in waiting for key in action.reads):
+        if not waiting.isdisjoint(action.reads):
             late.append(action)
             waiting.update(key for key, _ in action.writes)
         else:
@@ -248,7 +398,7 @@ def _view_bases(model: GraphModel) -> Dict[int, int]:
     return base
 
 
-def _pin_view_bases(model: GraphModel, actions: List[Action], written_before: Set[Key]) -> List[Action]:
+def _pin_view_bases(model: GraphModel, actions: List[Action], written: Container[Key]) -> List[Action]:
     """Make every read of a view also read the buffer it shares.
 
     A view has no bytes of its own, but TensorFlow frees a buffer only when
@@ -257,22 +407,40 @@ def _pin_view_bases(model: GraphModel, actions: List[Action], written_before: Se
     heads) keeps the activation it views alive until its segment.  Counted
     free, such views would look like the cheapest checkpoints of all.
 
-    ``written_before``: the keys written by the actions of the step that
-    come before ``actions`` (the forward pass, for the backward actions).
+    ``written``: the keys written in the step.
     """
-    base = model.derived("view bases", lambda: _view_bases(model))
-    if not base:
-        return actions
-    written = written_before | {key for action in actions for key, _ in action.writes}
     pinned = []
     for action in actions:
-        extra = []
-        for key in action.reads:
-            if key[0] not in ("f", "c", "a") or key[-1] not in base:
-                continue
-            same_copy = key[:-1] + (base[key[-1]],)  # the base recomputed with the view
-            target = same_copy if same_copy in written else ("f", base[key[-1]])
-            if target in written and target not in action.reads and target not in extra:
-                extra.append(target)
+        extra = _view_base_reads(model, action, written)
         pinned.append(with_reads(action, list(action.reads) + extra) if extra else action)
     return pinned
+
+
+def _view_base_reads(model: GraphModel, action: Action, written: Container[Key]) -> List[Key]:
+    """The buffers ``action`` must read besides its reads, for the views it
+    reads (:func:`_pin_view_bases`): of each view's base, the copy made with
+    the view, else the forward pass's."""
+    base = model.derived("view bases", lambda: _view_bases(model))
+    extra: List[Key] = []
+    if not base:
+        return extra
+    for key in action.reads:
+        if key[-1] not in base or key[0] not in ("f", "c", "a"):
+            continue
+        same_copy = key[:-1] + (base[key[-1]],)  # the base recomputed with the view
+        target = same_copy if same_copy in written else ("f", base[key[-1]])
+        if target in written and target not in action.reads and target not in extra:
+            extra.append(target)
+    return extra
+
+
+class _Written:
+    """The keys a step writes that a read of a view may name: the forward
+    pass's (a set kept per model) and the backward pass's copies, without
+    copying the first."""
+
+    def __init__(self, forward: Set[Key], copies: Set[Key]):
+        self.forward, self.copies = forward, copies
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self.forward or key in self.copies

@@ -13,7 +13,8 @@ the buffer rules from :mod:`memsaving.model.buffers`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, compress
+from operator import attrgetter, methodcaller
 from typing import FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from memsaving.sim.actions import step_actions
@@ -174,17 +175,18 @@ def _replay(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: Op
     charge(len(actions))
     if swapped:
         peak = timed_peak
-    recompute = sum(a.cost for a in actions if a.label.startswith(("recompute ", "advance ")))
+    labels = list(map(attrgetter("label"), actions))
+    recomputed = map(methodcaller("startswith", ("recompute ", "advance ")), labels)
     return Simulation(
         peak_bytes=model.resident_bytes + peak,
         forward_cost=model.forward_cost(),
-        recompute_cost=recompute,
+        recompute_cost=sum(compress(map(attrgetter("cost"), actions), recomputed)),
         backward_cost=model.backward_cost(),
         timeline=timeline,
-        labels=[a.label for a in actions],
+        labels=labels,
         unit_ends=unit_ends,
         step_seconds=step_seconds,
-        swapped_bytes=int(sum(a.cost for a in actions if a.stream != "compute")),
+        swapped_bytes=int(sum(a.cost for a in actions if a.stream != "compute")) if swapped else 0,
     )
 
 
