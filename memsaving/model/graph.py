@@ -191,6 +191,14 @@ class GraphModel:
             self._derived[name] = compute()
         return self._derived[name]
 
+    def __getstate__(self) -> Dict[str, Any]:
+        """Pickled (or deep-copied) without what was derived: the memo holds
+        replay structures whose classes may change between versions, and it
+        is rebuilt on demand."""
+        state = dict(self.__dict__)
+        state["_derived"] = {}
+        return state
+
     @property
     def folded_gradient_bytes(self) -> int:
         """Bytes of the gradients folded into constants

@@ -230,3 +230,18 @@ def test_no_plan_goes_below_the_peak_lower_bound():
                      simulate(model, chosen, swapped=[ops[i].outputs[0] for i in chosen],
                               cost=CostModel()).peak_bytes]
             assert min(peaks) >= bound, (chosen, peaks, bound)
+
+
+def test_a_pickled_model_leaves_what_was_derived_behind():
+    """A model pickles (and deep-copies) without its memo of derived
+    structures, and the copy replays to the same figures."""
+    import copy
+    import pickle
+
+    model = chain_model([4, 8, 4, 8])
+    first = simulate(model, [1])
+    assert model._derived
+    for copied in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        assert not copied._derived
+        again = simulate(copied, [1])
+        assert (again.peak_bytes, again.timeline) == (first.peak_bytes, first.timeline)
