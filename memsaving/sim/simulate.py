@@ -12,10 +12,12 @@ the buffer rules from :mod:`memsaving.model.buffers`.
 
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import accumulate, compress
 from operator import attrgetter, methodcaller
-from typing import FrozenSet, Iterable, List, Optional, Set, Tuple
+from typing import FrozenSet, Iterable, Iterator, List, Optional, Set, Tuple
 
 from memsaving.sim.actions import step_actions
 from memsaving.sim.allowance import charge
@@ -135,6 +137,32 @@ def _replay(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: Op
             swapped: FrozenSet[int], cost: Optional[CostModel], inplace: Optional[bool],
             unpinned: bool) -> Simulation:
     """The replay behind :func:`simulate`, run once per model and plan."""
+    with _collector_paused():
+        return _replayed(model, kept, keep_x_gradients, inner, swapped, cost, inplace, unpinned)
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a plan is replayed.
+
+    A replay makes tens of thousands of actions, lists and tuples that live
+    until it returns and form no reference cycles (reference counting frees
+    them); the collections their allocations trigger would only walk them
+    and the rest of the heap.  A collector that was off stays off."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _replayed(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: Optional[Inner],
+              swapped: FrozenSet[int], cost: Optional[CostModel], inplace: Optional[bool],
+              unpinned: bool) -> Simulation:
+    """:func:`_replay`'s work."""
     units = backward_units(model, kept, inner, inplace=bool(swapped) if inplace is None else inplace)
     actions, unit_ends = step_actions(model, kept, units)
     pinned = {("g", x) for x in gradient_sinks(model)} if keep_x_gradients else set()
