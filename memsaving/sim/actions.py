@@ -196,6 +196,8 @@ def _op_kernels(model: GraphModel) -> List[_OpKernels]:
                 kernels.append(_GradientKernel(
                     targets, reads, makes_results=model.separate_result_kernels and not sinks.isdisjoint(targets),
                     reads_views=any(t in views for t in reads)))
+        if all(t in sinks for t in op.outputs):
+            kernels = []  # no gradient ever reaches the op: a result's is the result itself
         inputs = tuple(t for t in op.inputs if model.tensors[t].producer >= 0)
         found.append(_OpKernels(
             recompute=op_action(op, f"recompute {op.name}", [], []),
@@ -261,8 +263,9 @@ class _BackwardPass:
             self.sources.update(local)
             return
         end = len(self.actions)
+        differentiate = self.differentiate
         for i in reversed(unit.ops):
-            self.differentiate(i, local)
+            differentiate(i, local)
         if unit.kind == UnitKind.SEGMENT and self.model.ready_gradients_early:
             self.actions[start:] = ready_gradients_first(self.actions[start:end], self.actions[end:])
 
@@ -295,6 +298,8 @@ class _BackwardPass:
     def differentiate(self, i: int, local: Dict[int, Key]) -> None:
         """The gradient kernels of op ``i``, once its outputs have gradients."""
         op = self.ops[i]
+        if not op.kernels:
+            return
         grads, sources, forward = self.grads, self.sources, self.forward
         incoming = grads.current(op.outputs)
         if not incoming:
@@ -322,8 +327,9 @@ class _BackwardPass:
         (:func:`_pin_view_bases`), once every unit ran: the actions of this
         step are its own, so their reads are extended in place."""
         written = _Written(forward_written, self.copies)
+        base = self.model.derived("view bases", lambda: _view_bases(self.model))
         for action in self.view_readers:
-            extra = _view_base_reads(self.model, action, written)
+            extra = _view_base_reads(base, action, written)
             if extra:
                 action.reads = action.reads + extra
 
@@ -409,21 +415,19 @@ def _pin_view_bases(model: GraphModel, actions: List[Action], written: Container
 
     ``written``: the keys written in the step.
     """
+    base = model.derived("view bases", lambda: _view_bases(model))
     pinned = []
     for action in actions:
-        extra = _view_base_reads(model, action, written)
+        extra = _view_base_reads(base, action, written)
         pinned.append(with_reads(action, list(action.reads) + extra) if extra else action)
     return pinned
 
 
-def _view_base_reads(model: GraphModel, action: Action, written: Container[Key]) -> List[Key]:
+def _view_base_reads(base: Dict[int, int], action: Action, written: Container[Key]) -> List[Key]:
     """The buffers ``action`` must read besides its reads, for the views it
-    reads (:func:`_pin_view_bases`): of each view's base, the copy made with
-    the view, else the forward pass's."""
-    base = model.derived("view bases", lambda: _view_bases(model))
+    reads (:func:`_pin_view_bases`; ``base``: :func:`_view_bases`): of each
+    view's base, the copy made with the view, else the forward pass's."""
     extra: List[Key] = []
-    if not base:
-        return extra
     for key in action.reads:
         if key[-1] not in base or key[0] not in ("f", "c", "a"):
             continue

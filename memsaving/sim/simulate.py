@@ -180,12 +180,14 @@ def _replayed(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: 
     if swapped:
         peak = timed_peak
     labels = list(map(attrgetter("label"), actions))
+    # what every plan pays, summed once per model
+    forward_cost, backward_cost = model.derived("step costs", lambda: (model.forward_cost(), model.backward_cost()))
     recomputed = map(methodcaller("startswith", ("recompute ", "advance ")), labels)
     return Simulation(
         peak_bytes=model.resident_bytes + peak,
-        forward_cost=model.forward_cost(),
+        forward_cost=forward_cost,
         recompute_cost=sum(compress(map(attrgetter("cost"), actions), recomputed)),
-        backward_cost=model.backward_cost(),
+        backward_cost=backward_cost,
         timeline=timeline,
         labels=labels,
         unit_ends=unit_ends,
