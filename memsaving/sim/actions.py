@@ -334,6 +334,12 @@ class _BackwardPass:
                 action.reads = action.reads + extra
 
 
+def forward_actions(model: GraphModel) -> List[Action]:
+    """The forward pass's actions, which every plan's list starts with (the
+    same objects, made once per model)."""
+    return model.derived("forward actions", lambda: _forward_actions(model))[0]
+
+
 def forward_keys(model: GraphModel) -> Dict[int, Key]:
     """Each tensor's forward buffer ``("f", t)``, one key object per model:
     a replay looks every read up among the writes, and equal keys that are

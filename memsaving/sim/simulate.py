@@ -19,9 +19,9 @@ from itertools import accumulate, compress
 from operator import attrgetter, methodcaller
 from typing import FrozenSet, Iterable, Iterator, List, Optional, Set, Tuple
 
-from memsaving.sim.actions import step_actions
+from memsaving.sim.actions import forward_actions, step_actions
 from memsaving.sim.allowance import charge
-from memsaving.model.buffers import Action, Key, memory_replay
+from memsaving.model.buffers import Action, BufferRows, Key, memory_replay
 from memsaving.sim.executor import unpinned_orders
 from memsaving.model.graph import GraphModel, gradient_sinks
 from memsaving.model.schedule import Inner, backward_units, kept_set
@@ -175,7 +175,9 @@ def _replayed(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: 
             actions = add_swaps(actions, model, swapped, len(model.ops), cost)
             unit_ends = _shifted(unit_ends, actions)
         step_seconds, timed_peak, _ = timed_replay(actions, cost, pinned)
-    timeline, peak = memory_replay(actions, pinned)
+    # the forward pass's buffers are numbered once per model
+    forward = model.derived("forward buffer rows", lambda: BufferRows(forward_actions(model)))
+    timeline, peak = memory_replay(actions, pinned, forward)
     charge(len(actions))
     if swapped:
         peak = timed_peak
