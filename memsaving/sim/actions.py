@@ -266,7 +266,7 @@ class _BackwardPass:
         differentiate = self.differentiate
         for i in reversed(unit.ops):
             differentiate(i, local)
-        if unit.kind == UnitKind.SEGMENT and self.model.ready_gradients_early:
+        if end > start and unit.kind == UnitKind.SEGMENT and self.model.ready_gradients_early:
             self.actions[start:] = ready_gradients_first(self.actions[start:end], self.actions[end:])
 
     def recompute(self, unit: Unit, local: Dict[int, Key]) -> None:
@@ -274,12 +274,13 @@ class _BackwardPass:
         the unit's tag and anchor)."""
         segment = unit.kind == UnitKind.SEGMENT
         tag, anchor, sources, forward = ("c" if segment else "a"), unit.anchor, self.sources, self.forward
-        # the copies wait on the anchor's output gradient
-        anchor_gradients = self.grads.current(self.model.ops[anchor].outputs)
+        anchor_gradients = None
         for i in unit.ops:
             op = self.ops[i]
             if i == anchor and segment and not op.recomputed_as_anchor:
                 continue  # kept: its gradient reads the kept outputs
+            if anchor_gradients is None:  # the copies wait on the anchor's output gradient
+                anchor_gradients = self.grads.current(self.model.ops[anchor].outputs)
             reads = [local.get(t) or sources.get(t) or forward[t] for t in op.inputs]
             reads += anchor_gradients
             writes = []
@@ -293,7 +294,8 @@ class _BackwardPass:
             if op.reads_views:
                 self.view_readers.append(action)
             self.actions.append(action)
-        self.copies.update(local.values())
+        if local:
+            self.copies.update(local.values())
 
     def differentiate(self, i: int, local: Dict[int, Key]) -> None:
         """The gradient kernels of op ``i``, once its outputs have gradients."""
