@@ -9,7 +9,7 @@ them to find what a plan keeps between the passes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Container, Dict, FrozenSet, Iterable, List, Sequence, Set, Tuple
+from typing import Any, Callable, Container, Dict, FrozenSet, Iterable, List, Sequence, Set, Tuple
 
 from memsaving.model.buffers import Action, Key, on_buffers, with_reads
 from memsaving.model.graph import BACKWARD_COST_FACTOR, GraphModel, OpInfo, gradient_sinks, receives_gradient
@@ -129,11 +129,11 @@ class _Memo(dict):
     """A dict filling itself with ``compute(key)`` on a miss (tensor ids
     may be the keys of a dict or the indices of a list)."""
 
-    def __init__(self, compute):
+    def __init__(self, compute: Callable[[Any], Any]):
         super().__init__()
         self.compute = compute
 
-    def __missing__(self, key):
+    def __missing__(self, key: Any) -> Any:
         value = self[key] = self.compute(key)
         return value
 
