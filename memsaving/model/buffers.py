@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain, compress, count as itertools_count, repeat
 from operator import attrgetter, is_, itemgetter
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -319,16 +319,30 @@ class _Changes:
         """The write rows of results consumed at once; ``consumed`` gets
         each action's largest."""
         buffers, found = self.buffers, []
+        with_results = list(compress(range(len(buffers.actions)), map(attrgetter("results"), buffers.actions)))
+        if not with_results:
+            return found
         start = np.concatenate([[0], np.cumsum(np.bincount(buffers.write_action, minlength=len(buffers.actions)))])
-        last_read = _LastReads(buffers.number, self.last)
-        for i in compress(range(len(buffers.actions)), map(attrgetter("results"), buffers.actions)):
+        last_read = self._last_reads(chain.from_iterable(buffers.actions[i].results for i in with_results))
+        for i in with_results:
             action = buffers.actions[i]
-            consumed = {key: nbytes for key, nbytes in action.writes
-                        if consumed_at_once(key, action, i, last_read, self.pinned)}
+            consumed: Dict[Key, int] = {}
+            for key, nbytes in action.writes:
+                if consumed_at_once(key, action, i, last_read, self.pinned):
+                    consumed[key] = nbytes
             if consumed:
                 self.consumed[i] = max(consumed.values())
-                found += [int(start[i]) + k for k, (key, _) in enumerate(action.writes) if key in consumed]
+                first = int(start[i])
+                found += [first + k for k, (key, _) in enumerate(action.writes) if key in consumed]
         return found
+
+    def _last_reads(self, keys: Iterable[Key]) -> Dict[Key, int]:
+        """The last reader of each of ``keys`` that is read (a dict, as
+        :func:`consumed_at_once` takes)."""
+        number = self.buffers.number
+        keys = [key for key in keys if key in number]
+        readers = self.last[[number[key] for key in keys]].tolist()
+        return {key: reader for key, reader in zip(keys, readers) if reader >= 0}
 
     def _add_written_once(self, rows: np.ndarray, taker: np.ndarray) -> None:
         """Buffers written once (``rows``: their allocating writes): their
@@ -390,14 +404,3 @@ def _groups(ids: np.ndarray, rows: np.ndarray) -> List[np.ndarray]:
     rows = rows[order]
     splits = np.flatnonzero(np.diff(ids[rows])) + 1
     return np.split(rows, splits) if len(rows) else []
-
-
-class _LastReads:
-    """Each key's last reader, looked up by key, for :func:`consumed_at_once`."""
-
-    def __init__(self, number: Dict[Key, int], last: np.ndarray):
-        self.number, self.last = number, last
-
-    def get(self, key: Key, default: int) -> int:
-        found = self.number.get(key)
-        return default if found is None or self.last[found] < 0 else int(self.last[found])
