@@ -9,7 +9,9 @@ action asks for them: elementwise kernels write into a dying input's buffer
 (:func:`donations`), and weight gradients are made and consumed by kernels
 of their own (:func:`consumed_at_once`).  The simulator, the swap timing,
 the schedule replays and the custom-gradient sizing in the graph extractor
-all use these rules, so a buffer rule is written once.
+all use these rules, so a buffer rule is written once.  The rules run over
+numpy arrays of the actions' reads and writes (:class:`BufferRows`), since a
+replayed step has thousands of actions.
 """
 
 from __future__ import annotations

@@ -149,6 +149,7 @@ class _GradientKernel:
     """Some target is a gradient sink and the model makes results with
     kernels of their own (:func:`result_keys` may find some)."""
     reads_views: bool
+    """Some tensor it reads is a view (:func:`_pin_view_bases` looks at it)."""
 
 
 @dataclass(frozen=True)
