@@ -9,15 +9,17 @@ action asks for them: elementwise kernels write into a dying input's buffer
 (:func:`donations`), and weight gradients are made and consumed by kernels
 of their own (:func:`consumed_at_once`).  The simulator, the swap timing,
 the schedule replays and the custom-gradient sizing in the graph extractor
-all use these rules, so a buffer rule is written once.
+all use these rules, so a buffer rule is written once.  The rules run over
+numpy arrays of the actions' reads and writes (:class:`BufferRows`), since a
+replayed step has thousands of actions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain, compress, count as itertools_count, repeat
-from operator import attrgetter, itemgetter
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from operator import attrgetter, is_, itemgetter
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -90,7 +92,7 @@ def donations(actions: Sequence[Action], last_read: Dict[Key, int], pinned: Set[
     ``size``: each key's bytes as its last write gives them, when the
     caller has them already.
     """
-    buffers = _Buffers(actions)
+    buffers = BufferRows(actions)
     last = buffers.per_buffer(last_read, -1)
     sizes = buffers.sizes() if size is None else buffers.per_buffer(size, 0)
     timing = None
@@ -102,32 +104,59 @@ def donations(actions: Sequence[Action], last_read: Dict[Key, int], pinned: Set[
     return given
 
 
-class _Buffers:
+class BufferRows:
     """The reads and writes of a list of actions as rows of arrays: for each
     read, the action and the buffer's number; for each write, the action,
     the buffer's number and its bytes.  The buffer rules then run over
     arrays, not action by action (a replay has thousands of actions).
     Rows follow the list: actions in order, each one's reads (or writes)
-    in its order."""
+    in its order.
 
-    def __init__(self, actions: Sequence[Action]):
+    ``prefix``: the rows of actions the list starts with (the same objects,
+    as a plan's forward pass in every replay of a model), numbered once
+    and reused; ignored when the list does not start with them.
+
+    Examples
+    --------
+    >>> forward = [Action("a", [], [(("f", 0), 4)]), Action("b", [("f", 0)], [(("f", 1), 4)])]
+    >>> rows = BufferRows(forward + [Action("c", [("f", 1)], [])], prefix=BufferRows(forward))
+    >>> rows.read_action.tolist(), rows.write_action.tolist(), rows.last_reads()[rows.write_id].tolist()
+    ([1, 2], [0, 1], [1, 2])
+    """
+
+    def __init__(self, actions: Sequence[Action], prefix: Optional["BufferRows"] = None):
         self.actions = actions
-        count = len(actions)
-        read_lists = list(map(attrgetter("reads"), actions))
-        write_lists = list(map(attrgetter("writes"), actions))
+        if prefix is not None and not _starts_with(actions, prefix.actions):
+            prefix = None
+        known = len(prefix.actions) if prefix is not None else 0
+        rest = actions[known:]
+        read_lists = list(map(attrgetter("reads"), rest))
+        write_lists = list(map(attrgetter("writes"), rest))
         writes = list(chain.from_iterable(write_lists))
-        self.reads: List[Key] = list(chain.from_iterable(read_lists))
-        self.write_keys: List[Key] = list(map(itemgetter(0), writes))
+        reads: List[Key] = list(chain.from_iterable(read_lists))
+        write_keys: List[Key] = list(map(itemgetter(0), writes))
         # a key's number: the row of its first write or read (numbers have gaps)
-        self.number: Dict[Key, int] = {}
-        rows = itertools_count()
-        self.write_id = np.fromiter(map(self.number.setdefault, self.write_keys, rows), np.intp, len(writes))
-        self.read_id = np.fromiter(map(self.number.setdefault, self.reads, rows), np.intp, len(self.reads))
-        self.numbers = len(writes) + len(self.reads)
-        self.write_action = np.repeat(np.arange(count), np.fromiter(map(len, write_lists), np.intp, count))
-        self.read_action = np.repeat(np.arange(count), np.fromiter(map(len, read_lists), np.intp, count))
-        self.write_bytes = np.fromiter(map(itemgetter(1), writes), np.int64, len(writes))
-        self.forwards = np.fromiter(map(attrgetter("forwards_buffers"), actions), bool, count)
+        self.number: Dict[Key, int] = dict(prefix.number) if prefix is not None else {}
+        first = prefix.numbers if prefix is not None else 0
+        rows = itertools_count(first)
+        self.numbers = first + len(writes) + len(reads)
+        parts = {
+            "write_id": np.fromiter(map(self.number.setdefault, write_keys, rows), np.intp, len(writes)),
+            "read_id": np.fromiter(map(self.number.setdefault, reads, rows), np.intp, len(reads)),
+            "write_action": np.repeat(np.arange(known, len(actions)),
+                                      np.fromiter(map(len, write_lists), np.intp, len(rest))),
+            "read_action": np.repeat(np.arange(known, len(actions)),
+                                     np.fromiter(map(len, read_lists), np.intp, len(rest))),
+            "write_bytes": np.fromiter(map(itemgetter(1), writes), np.int64, len(writes)),
+            "forwards": np.fromiter(map(attrgetter("forwards_buffers"), rest), bool, len(rest)),
+        }
+        if prefix is not None:
+            parts = {name: np.concatenate([getattr(prefix, name), part]) for name, part in parts.items()}
+            reads, write_keys = prefix.reads + reads, prefix.write_keys + write_keys
+        self.reads, self.write_keys = reads, write_keys
+        self.write_id, self.read_id = parts["write_id"], parts["read_id"]
+        self.write_action, self.read_action = parts["write_action"], parts["read_action"]
+        self.write_bytes, self.forwards = parts["write_bytes"], parts["forwards"]
 
     def last_reads(self) -> np.ndarray:
         """Per buffer, the index of the last action reading it (-1: none)."""
@@ -200,12 +229,19 @@ class _Buffers:
         return self.write_action[writes], writes, offered[by_offer][order]
 
 
+def _starts_with(actions: Sequence[Action], prefix: Sequence[Action]) -> bool:
+    """Whether ``actions`` starts with the very objects of ``prefix``."""
+    return len(prefix) <= len(actions) and all(map(is_, prefix, actions))
+
+
 def _among(values: np.ndarray, candidates: np.ndarray) -> np.ndarray:
     """Per value, whether it is one of ``candidates`` (``np.isin`` without
     its lookup table, which spans the whole range of the values)."""
     candidates = np.sort(candidates)
     found = np.searchsorted(candidates, values)
-    return candidates[np.minimum(found, len(candidates) - 1)] == values if len(candidates) else np.zeros(len(values), bool)
+    if not len(candidates):
+        return np.zeros(len(values), bool)
+    return candidates[np.minimum(found, len(candidates) - 1)] == values
 
 
 def _ranks(groups: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -234,7 +270,8 @@ def consumed_at_once(key: Key, action: Action, i: int, last_read: Dict[Key, int]
     return key in action.results and key not in pinned and last_read.get(key, i) <= i
 
 
-def memory_replay(actions: List[Action], pinned: Set[Key]) -> Tuple[List[int], int]:
+def memory_replay(actions: List[Action], pinned: Set[Key],
+                  prefix: Optional[BufferRows] = None) -> Tuple[List[int], int]:
     """Bytes in use after each action and the peak during any action.
 
     A buffer is freed after the last action that reads it (right after it is
@@ -244,11 +281,12 @@ def memory_replay(actions: List[Action], pinned: Set[Key]) -> Tuple[List[int], i
 
     Each buffer adds its bytes to the action that writes it and takes them
     off the action that frees it; the bytes in use are the running sum
-    (:class:`_Changes`).
+    (:class:`_Changes`).  ``prefix``: the rows of the actions every list
+    given starts with, when the caller keeps them (:class:`BufferRows`).
     """
     if not actions:
         return [], 0
-    buffers = _Buffers(actions)
+    buffers = BufferRows(actions, prefix)
     return _Changes(buffers, pinned).totals()
 
 
@@ -259,7 +297,7 @@ class _Changes:
     (:func:`consumed_at_once`) add to the peak only, before its writes
     (``consumed``)."""
 
-    def __init__(self, buffers: _Buffers, pinned: Set[Key]):
+    def __init__(self, buffers: BufferRows, pinned: Set[Key]):
         count = len(buffers.actions)
         self.buffers, self.pinned = buffers, pinned
         self.last = buffers.last_reads()
@@ -283,16 +321,30 @@ class _Changes:
         """The write rows of results consumed at once; ``consumed`` gets
         each action's largest."""
         buffers, found = self.buffers, []
+        with_results = list(compress(range(len(buffers.actions)), map(attrgetter("results"), buffers.actions)))
+        if not with_results:
+            return found
         start = np.concatenate([[0], np.cumsum(np.bincount(buffers.write_action, minlength=len(buffers.actions)))])
-        last_read = _LastReads(buffers.number, self.last)
-        for i in compress(range(len(buffers.actions)), map(attrgetter("results"), buffers.actions)):
+        last_read = self._last_reads(chain.from_iterable(buffers.actions[i].results for i in with_results))
+        for i in with_results:
             action = buffers.actions[i]
-            consumed = {key: nbytes for key, nbytes in action.writes
-                        if consumed_at_once(key, action, i, last_read, self.pinned)}
+            consumed: Dict[Key, int] = {}
+            for key, nbytes in action.writes:
+                if consumed_at_once(key, action, i, last_read, self.pinned):
+                    consumed[key] = nbytes
             if consumed:
                 self.consumed[i] = max(consumed.values())
-                found += [int(start[i]) + k for k, (key, _) in enumerate(action.writes) if key in consumed]
+                first = int(start[i])
+                found += [first + k for k, (key, _) in enumerate(action.writes) if key in consumed]
         return found
+
+    def _last_reads(self, keys: Iterable[Key]) -> Dict[Key, int]:
+        """The last reader of each of ``keys`` that is read (a dict, as
+        :func:`consumed_at_once` takes)."""
+        number = self.buffers.number
+        keys = [key for key in keys if key in number]
+        readers = self.last[[number[key] for key in keys]].tolist()
+        return {key: reader for key, reader in zip(keys, readers) if reader >= 0}
 
     def _add_written_once(self, rows: np.ndarray, taker: np.ndarray) -> None:
         """Buffers written once (``rows``: their allocating writes): their
@@ -354,14 +406,3 @@ def _groups(ids: np.ndarray, rows: np.ndarray) -> List[np.ndarray]:
     rows = rows[order]
     splits = np.flatnonzero(np.diff(ids[rows])) + 1
     return np.split(rows, splits) if len(rows) else []
-
-
-class _LastReads:
-    """Each key's last reader, looked up by key, for :func:`consumed_at_once`."""
-
-    def __init__(self, number: Dict[Key, int], last: np.ndarray):
-        self.number, self.last = number, last
-
-    def get(self, key: Key, default: int) -> int:
-        found = self.number.get(key)
-        return default if found is None or self.last[found] < 0 else int(self.last[found])

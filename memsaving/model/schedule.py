@@ -90,7 +90,11 @@ def _always_kept(model: GraphModel) -> FrozenSet[int]:
 
 def closure(model: GraphModel, seeds: Iterable[int], kept: Set[int]) -> tuple:
     """Forward ops needed to compute ``seeds`` back to kept tensors, in order."""
-    feeders = model.derived("forward feeders", lambda: _forward_feeders(model))
+    return _closure(model.derived("forward feeders", lambda: _forward_feeders(model)), seeds, kept)
+
+
+def _closure(feeders: List[Tuple[int, ...]], seeds: Iterable[int], kept: Set[int]) -> tuple:
+    """:func:`closure` over the table of :func:`_forward_feeders`."""
     found: Set[int] = set()
     stack = list(seeds)
     while stack:
@@ -161,33 +165,40 @@ def backward_units(model: GraphModel, kept: Set[int], inner: Optional[Inner] = N
         and model.ops[model.tensors[y].producer].forward
         and model.tensors[y].producer not in kept
     ]
+    feeders = model.derived("forward feeders", lambda: _forward_feeders(model))
+    passes = model.derived("pass units", dict)  # the same in every plan
     units = []
     if inner_ys:
-        units.append(Unit(UnitKind.OUTPUT, -1, closure(model, inner_ys, kept)))
+        units.append(Unit(UnitKind.OUTPUT, -1, _closure(feeders, inner_ys, kept)))
     for i in sorted(kept, reverse=True):
         op = model.ops[i]
         if op.copyable:
-            units.extend(_segment_units(model, i, kept, inner, inplace))
+            units.extend(_segment_units(model, i, kept, inner, inplace, feeders))
         else:
-            units.append(Unit(UnitKind.PASS, i, (i,)))
+            if i not in passes:
+                passes[i] = Unit(UnitKind.PASS, i, (i,))
+            units.append(passes[i])
     return units
 
 
 def _segment_units(model: GraphModel, anchor: int, kept: Set[int], inner: Inner,
-                   inplace: bool = False) -> List[Unit]:
-    inside = tuple(sorted(inner.get(anchor, ())))
-    if not inside:
-        ops = closure(model, [anchor], kept)
+                   inplace: bool, feeders: List[Tuple[int, ...]]) -> List[Unit]:
+    """The units of ``anchor``'s segment: the segment, or with inner
+    checkpoints the advance unit and the sub-segments (``feeders``: the
+    table :func:`closure` follows)."""
+    if not inner.get(anchor):
+        ops = _closure(feeders, [anchor], kept)
         if inplace and ops == (anchor,):
             # every input is kept: differentiate the op where it is, reading
             # its kept outputs, rather than recompute them
             return [Unit(UnitKind.INPLACE, anchor, ops)]
         return [Unit(UnitKind.SEGMENT, anchor, ops)]
+    inside = tuple(sorted(inner[anchor]))
     deeper = kept | set(inside)
-    units = [Unit(UnitKind.ADVANCE, anchor, closure(model, inside, kept)),
-             Unit(UnitKind.SEGMENT, anchor, closure(model, [anchor], deeper))]
+    units = [Unit(UnitKind.ADVANCE, anchor, _closure(feeders, inside, kept)),
+             Unit(UnitKind.SEGMENT, anchor, _closure(feeders, [anchor], deeper))]
     for sub in reversed(inside):
-        units.extend(_segment_units(model, sub, deeper, inner))
+        units.extend(_segment_units(model, sub, deeper, inner, False, feeders))
     return units
 
 

@@ -9,7 +9,7 @@ them to find what a plan keeps between the passes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Container, Dict, FrozenSet, Iterable, List, Sequence, Set, Tuple
+from typing import Any, Callable, Container, Dict, FrozenSet, Iterable, List, Sequence, Set, Tuple
 
 from memsaving.model.buffers import Action, Key, on_buffers, with_reads
 from memsaving.model.graph import BACKWARD_COST_FACTOR, GraphModel, OpInfo, gradient_sinks, receives_gradient
@@ -129,11 +129,11 @@ class _Memo(dict):
     """A dict filling itself with ``compute(key)`` on a miss (tensor ids
     may be the keys of a dict or the indices of a list)."""
 
-    def __init__(self, compute):
+    def __init__(self, compute: Callable[[Any], Any]):
         super().__init__()
         self.compute = compute
 
-    def __missing__(self, key):
+    def __missing__(self, key: Any) -> Any:
         value = self[key] = self.compute(key)
         return value
 
@@ -149,6 +149,7 @@ class _GradientKernel:
     """Some target is a gradient sink and the model makes results with
     kernels of their own (:func:`result_keys` may find some)."""
     reads_views: bool
+    """Some tensor it reads is a view (:func:`_pin_view_bases` looks at it)."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,8 @@ def _op_kernels(model: GraphModel) -> List[_OpKernels]:
                 kernels.append(_GradientKernel(
                     targets, reads, makes_results=model.separate_result_kernels and not sinks.isdisjoint(targets),
                     reads_views=any(t in views for t in reads)))
+        if all(t in sinks for t in op.outputs):
+            kernels = []  # no gradient ever reaches the op: a result's is the result itself
         inputs = tuple(t for t in op.inputs if model.tensors[t].producer >= 0)
         found.append(_OpKernels(
             recompute=op_action(op, f"recompute {op.name}", [], []),
@@ -261,9 +264,10 @@ class _BackwardPass:
             self.sources.update(local)
             return
         end = len(self.actions)
+        differentiate = self.differentiate
         for i in reversed(unit.ops):
-            self.differentiate(i, local)
-        if unit.kind == UnitKind.SEGMENT and self.model.ready_gradients_early:
+            differentiate(i, local)
+        if end > start and unit.kind == UnitKind.SEGMENT and self.model.ready_gradients_early:
             self.actions[start:] = ready_gradients_first(self.actions[start:end], self.actions[end:])
 
     def recompute(self, unit: Unit, local: Dict[int, Key]) -> None:
@@ -271,12 +275,13 @@ class _BackwardPass:
         the unit's tag and anchor)."""
         segment = unit.kind == UnitKind.SEGMENT
         tag, anchor, sources, forward = ("c" if segment else "a"), unit.anchor, self.sources, self.forward
-        # the copies wait on the anchor's output gradient
-        anchor_gradients = self.grads.current(self.model.ops[anchor].outputs)
+        anchor_gradients = None
         for i in unit.ops:
             op = self.ops[i]
             if i == anchor and segment and not op.recomputed_as_anchor:
                 continue  # kept: its gradient reads the kept outputs
+            if anchor_gradients is None:  # the copies wait on the anchor's output gradient
+                anchor_gradients = self.grads.current(self.model.ops[anchor].outputs)
             reads = [local.get(t) or sources.get(t) or forward[t] for t in op.inputs]
             reads += anchor_gradients
             writes = []
@@ -290,11 +295,14 @@ class _BackwardPass:
             if op.reads_views:
                 self.view_readers.append(action)
             self.actions.append(action)
-        self.copies.update(local.values())
+        if local:
+            self.copies.update(local.values())
 
     def differentiate(self, i: int, local: Dict[int, Key]) -> None:
         """The gradient kernels of op ``i``, once its outputs have gradients."""
         op = self.ops[i]
+        if not op.kernels:
+            return
         grads, sources, forward = self.grads, self.sources, self.forward
         incoming = grads.current(op.outputs)
         if not incoming:
@@ -322,10 +330,17 @@ class _BackwardPass:
         (:func:`_pin_view_bases`), once every unit ran: the actions of this
         step are its own, so their reads are extended in place."""
         written = _Written(forward_written, self.copies)
+        base = self.model.derived("view bases", lambda: _view_bases(self.model))
         for action in self.view_readers:
-            extra = _view_base_reads(self.model, action, written)
+            extra = _view_base_reads(base, action, written)
             if extra:
                 action.reads = action.reads + extra
+
+
+def forward_actions(model: GraphModel) -> List[Action]:
+    """The forward pass's actions, which every plan's list starts with (the
+    same objects, made once per model)."""
+    return model.derived("forward actions", lambda: _forward_actions(model))[0]
 
 
 def forward_keys(model: GraphModel) -> Dict[int, Key]:
@@ -409,21 +424,19 @@ def _pin_view_bases(model: GraphModel, actions: List[Action], written: Container
 
     ``written``: the keys written in the step.
     """
+    base = model.derived("view bases", lambda: _view_bases(model))
     pinned = []
     for action in actions:
-        extra = _view_base_reads(model, action, written)
+        extra = _view_base_reads(base, action, written)
         pinned.append(with_reads(action, list(action.reads) + extra) if extra else action)
     return pinned
 
 
-def _view_base_reads(model: GraphModel, action: Action, written: Container[Key]) -> List[Key]:
+def _view_base_reads(base: Dict[int, int], action: Action, written: Container[Key]) -> List[Key]:
     """The buffers ``action`` must read besides its reads, for the views it
-    reads (:func:`_pin_view_bases`): of each view's base, the copy made with
-    the view, else the forward pass's."""
-    base = model.derived("view bases", lambda: _view_bases(model))
+    reads (:func:`_pin_view_bases`; ``base``: :func:`_view_bases`): of each
+    view's base, the copy made with the view, else the forward pass's."""
     extra: List[Key] = []
-    if not base:
-        return extra
     for key in action.reads:
         if key[-1] not in base or key[0] not in ("f", "c", "a"):
             continue

@@ -12,14 +12,16 @@ the buffer rules from :mod:`memsaving.model.buffers`.
 
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import accumulate, compress
 from operator import attrgetter, methodcaller
-from typing import FrozenSet, Iterable, List, Optional, Set, Tuple
+from typing import FrozenSet, Iterable, Iterator, List, Optional, Set, Tuple
 
-from memsaving.sim.actions import step_actions
+from memsaving.sim.actions import forward_actions, step_actions
 from memsaving.sim.allowance import charge
-from memsaving.model.buffers import Action, Key, memory_replay
+from memsaving.model.buffers import Action, BufferRows, Key, memory_replay
 from memsaving.sim.executor import unpinned_orders
 from memsaving.model.graph import GraphModel, gradient_sinks
 from memsaving.model.schedule import Inner, backward_units, kept_set
@@ -159,6 +161,32 @@ def _replay(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: Op
             swapped: FrozenSet[int], cost: Optional[CostModel], inplace: Optional[bool],
             unpinned: bool) -> Simulation:
     """The replay behind :func:`simulate`, run once per model and plan."""
+    with _collector_paused():
+        return _replayed(model, kept, keep_x_gradients, inner, swapped, cost, inplace, unpinned)
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a plan is replayed.
+
+    A replay makes tens of thousands of actions, lists and tuples that live
+    until it returns and form no reference cycles (reference counting frees
+    them); the collections their allocations trigger would only walk them
+    and the rest of the heap.  A collector that was off stays off."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _replayed(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: Optional[Inner],
+              swapped: FrozenSet[int], cost: Optional[CostModel], inplace: Optional[bool],
+              unpinned: bool) -> Simulation:
+    """:func:`_replay`'s work."""
     units = backward_units(model, kept, inner, inplace=bool(swapped) if inplace is None else inplace)
     actions, unit_ends = step_actions(model, kept, units)
     pinned = {("g", x) for x in gradient_sinks(model)} if keep_x_gradients else set()
@@ -171,17 +199,21 @@ def _replay(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: Op
             actions = add_swaps(actions, model, swapped, len(model.ops), cost)
             unit_ends = _shifted(unit_ends, actions)
         step_seconds, timed_peak, _ = timed_replay(actions, cost, pinned)
-    timeline, peak = memory_replay(actions, pinned)
+    # the forward pass's buffers are numbered once per model
+    forward = model.derived("forward buffer rows", lambda: BufferRows(forward_actions(model)))
+    timeline, peak = memory_replay(actions, pinned, forward)
     charge(len(actions))
     if swapped:
         peak = timed_peak
     labels = list(map(attrgetter("label"), actions))
+    # what every plan pays, summed once per model
+    forward_cost, backward_cost = model.derived("step costs", lambda: (model.forward_cost(), model.backward_cost()))
     recomputed = map(methodcaller("startswith", ("recompute ", "advance ")), labels)
     return Simulation(
         peak_bytes=model.resident_bytes + peak,
-        forward_cost=model.forward_cost(),
+        forward_cost=forward_cost,
         recompute_cost=sum(compress(map(attrgetter("cost"), actions), recomputed)),
-        backward_cost=model.backward_cost(),
+        backward_cost=backward_cost,
         timeline=timeline,
         labels=labels,
         unit_ends=unit_ends,
