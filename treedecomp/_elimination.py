@@ -252,6 +252,19 @@ def to_bitsets(adj: list[set[int]], alive: list[bool]):
     return glob, loc, bitsets_of(adj, glob, loc)
 
 
+def detach_row(A: list[int], loc: list[int], glob: list[int], higher: list, v: int) -> tuple[int, int, list[int]]:
+    """Take vertex ``v`` out of the bitset adjacency ``A`` of the dense
+    phases: clear its row, record its neighbours (global indices) as its
+    ``higher`` ones, and return its bit, its old row and the row's bit
+    positions, which the phase then updates the neighbours with."""
+    i = loc[v]
+    row = A[i]
+    A[i] = 0
+    positions = bit_positions(row)
+    higher[v] = [glob[j] for j in positions]
+    return 1 << i, row, positions
+
+
 def bitsets_of(adj: list[set[int]], glob: list[int], loc: list[int]) -> list[int]:
     """Neighbourhood bitsets of the vertices ``glob`` in the local numbering ``loc``.
 
@@ -508,12 +521,7 @@ def min_fill_dense_phase(s: EliminationState, abort_at, stop) -> str:
         if not s.take(v, d, abort_at):
             status = "abort"
             break
-        i = loc[v]
-        bi = 1 << i
-        Nm = A[i]
-        A[i] = 0
-        Nl = bit_positions(Nm)
-        higher[v] = [glob[j] for j in Nl]
+        bi, Nm, Nl = detach_row(A, loc, glob, higher, v)
         for j in Nl:
             aj = A[j] ^ bi
             A[j] = aj
@@ -664,12 +672,7 @@ def min_degree_dense_phase(s: EliminationState, abort_at, stop) -> str:
         if not s.take(v, d, abort_at):
             status = "abort"
             break
-        i = loc[v]
-        bi = 1 << i
-        Nm = A[i]
-        A[i] = 0
-        Nl = bit_positions(Nm)
-        higher[v] = [glob[j] for j in Nl]
+        bi, Nm, Nl = detach_row(A, loc, glob, higher, v)
         for j in Nl:
             if d > 1:
                 aj = (A[j] | Nm) & ~(bi | (1 << j))
