@@ -130,6 +130,12 @@ def _surrogate_dp(chain: Chain, budget: float, buckets: int = 256) -> Optional[L
     return sorted(chosen)
 
 
+def _evaluations(model: GraphModel, at_least: int) -> int:
+    """Simulations a search may run by default: 20,000 ops' worth of
+    replays (a replay costs time linear in the graph), and ``at_least``."""
+    return max(at_least, 20_000 // max(len(model.ops), 1))
+
+
 @dataclass
 class _SearchResult:
     cuts: List[List[int]]
@@ -158,7 +164,7 @@ def _search(
         if cut_bytes is not None:
             cut_bytes = [cut_bytes[k] for k in keep]
     if max_evaluations is None:
-        max_evaluations = max(40, 20_000 // max(len(model.ops), 1))
+        max_evaluations = _evaluations(model, at_least=40)
     cache = {}
 
     def evaluate(chosen: Tuple[int, ...]):
@@ -326,7 +332,7 @@ def lowest_peak_plan(
     ``"lowest"``.
     """
     if max_evaluations is None:
-        max_evaluations = max(LOWEST_PEAK_EVALUATIONS, 20_000 // max(len(model.ops), 1))
+        max_evaluations = _evaluations(model, at_least=LOWEST_PEAK_EVALUATIONS)
     found = _search(model, candidates, 0, keep_x_gradients=keep_x_gradients, cut_bytes=cut_bytes,
                     max_evaluations=max_evaluations)
     plain = simulate(model, keep_x_gradients=keep_x_gradients)
