@@ -11,7 +11,7 @@ in constant time.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -27,7 +27,7 @@ class Chain:
     reads_prefix: np.ndarray  # cumulative grad-read bytes by op position
     largest: np.ndarray  # largest tensor per op position (gradient buffers)
     anchor_cost: np.ndarray  # per candidate: cost of its ops a segment does not recompute
-    _tables: Dict[str, Tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
+    _stretches: Optional[Tuple[np.ndarray, np.ndarray]] = field(default=None, repr=False, compare=False)
 
     @property
     def size(self) -> int:
@@ -74,7 +74,7 @@ class Chain:
         stretch ``(a, b)``, ``a < b``, with stage 0 the inputs and stage
         ``size + 1`` the end (0 elsewhere); computed once per chain, since
         the multi-level DP is solved for many budgets on one chain."""
-        if "stretches" not in self._tables:
+        if self._stretches is None:
             end = self.size + 1
             cost = np.zeros((end + 1, end + 1))
             memory = np.zeros((end + 1, end + 1))
@@ -82,8 +82,8 @@ class Chain:
                 for b in range(a + 1, end + 1):
                     cost[a, b] = self.cost(a, b)
                     memory[a, b] = self.memory(a, b)
-            self._tables["stretches"] = (cost, memory)
-        return self._tables["stretches"]
+            self._stretches = (cost, memory)
+        return self._stretches
 
     def cost(self, a: int, b: int) -> float:
         """Recomputation cost of the stretch after cut ``a`` up to cut ``b``:
