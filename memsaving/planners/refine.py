@@ -9,8 +9,8 @@ plan: each kept op's segment recomputes the non-kept ops it needs), so two
 greedy passes, each judged by the simulator, move plans towards that:
 
 * :func:`keep_more`: starting from a plan that fits, keep the recomputed ops
-  that save the most recomputation per byte, one at a time, while the
-  simulated peak still fits the budget;
+  that save the most recomputation per byte, in runs of consecutive ones,
+  while the simulated peak still fits the budget;
 * :func:`drop_from_keep_all`: starting from keeping every op (plain
   backprop), stop keeping ops one at a time, each lowering the simulated
   peak, until the plan fits: on graphs of up to 120 candidate ops the drop
@@ -62,25 +62,35 @@ def keep_more(
     """Add recomputed ops to the kept set while the simulated peak fits.
 
     Ops are tried in order of forward cost per output byte, highest first
-    (the most recomputation saved for the memory it holds); an op is kept
-    when the plan with it still fits ``budget`` and recomputes less.
-    Returns the checkpoint ops and their simulation (the input plan's when
-    nothing improves it).
+    (the most recomputation saved for the memory it holds).  Views are left
+    out: they hold no bytes of their own and cost nothing to recompute, so
+    keeping one saves nothing, and with a cost per byte computed on zero
+    bytes they would come first and use up the simulations.  Ops are tried
+    in runs that double while they are kept and halve when a run is not
+    (galloping): consecutive ops of the order are often all kept, and one
+    simulation then takes many.  A run is kept when the plan with it still
+    fits ``budget`` and recomputes less.  Returns the checkpoint ops and
+    their simulation (the input plan's when nothing improves it).
     """
     current = sorted(set(checkpoint_ops))
     best = simulate(model, current, keep_x_gradients=keep_x_gradients)
     limit = default_evaluations(model) if max_evaluations is None else max_evaluations
-    order = sorted(recomputed_ops(model, current),
-                   key=lambda i: -model.ops[i].cost / max(_output_bytes(model, i), 1))
-    for i in order[:limit]:
-        if used_up():
-            break
-        if i in current:
-            continue
-        trial = sorted(current + [i])
+    order = sorted((i for i in recomputed_ops(model, current) if _output_bytes(model, i) > 0),
+                   key=lambda i: -model.ops[i].cost / _output_bytes(model, i))
+    position, run, evaluations = 0, 1, 0
+    while position < len(order) and evaluations < limit and not used_up():
+        tried = order[position:position + run]
+        trial = sorted(set(current).union(tried))
         sim = simulate(model, trial, keep_x_gradients=keep_x_gradients)
+        evaluations += 1
         if sim.peak_bytes <= budget and sim.recompute_cost < best.recompute_cost:
             current, best = trial, sim
+            position += len(tried)
+            run *= 2
+        elif run > 1:
+            run //= 2
+        else:
+            position += 1
     return current, best
 
 
@@ -116,9 +126,10 @@ def drop_from_keep_all(
     if len(candidates) <= STEEPEST_MAX_CANDIDATES:
         return _steepest_drops(model, current, sim, budget, keep_x_gradients)
     score = (sim.peak_bytes, _excess(sim, model, budget))
-    order = sorted(candidates, key=lambda i: model.ops[i].cost / _output_bytes(model, i))
-    for i in order[:limit]:
-        if used_up():
+    order = sorted(candidates, key=lambda i: model.ops[i].cost / _output_bytes(model, i))[:limit]
+    peaks = [sim.peak_bytes]  # after each simulation
+    for i in order:
+        if used_up() or _stalled(peaks, budget, len(order) + 1):
             break
         trial = sorted(current - {i})
         trial_sim = simulate(model, trial, keep_x_gradients=keep_x_gradients)
@@ -127,7 +138,26 @@ def drop_from_keep_all(
             current, sim, score = set(trial), trial_sim, trial_score
             if sim.peak_bytes <= budget:
                 return sorted(current), sim
+        peaks.append(sim.peak_bytes)
     return None
+
+
+STALL_WINDOW = 15
+""":func:`drop_from_keep_all` gives up when, at the pace of its last this
+many simulations, the rest cannot bring the peak down to the budget."""
+
+
+def _stalled(peaks: Sequence[int], budget: int, total: int) -> bool:
+    """Whether a descent whose peak after each simulation were ``peaks``,
+    allowed ``total`` simulations, is too slow to reach ``budget``.
+
+    The peak is a maximum over the step, so it often stays flat for a few
+    drops and then falls at once; a whole window of drops is therefore
+    judged, and only once one has passed."""
+    if len(peaks) <= STALL_WINDOW:
+        return False
+    pace = (peaks[-STALL_WINDOW - 1] - peaks[-1]) / STALL_WINDOW
+    return pace * (total - len(peaks)) < peaks[-1] - budget
 
 
 STEEPEST_MAX_CANDIDATES = 120

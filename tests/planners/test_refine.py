@@ -1,10 +1,11 @@
 """Per-op keep/recompute refinement of plans (memsaving.planners.refine), without TensorFlow."""
 
 import random
+from dataclasses import replace
 
 from memsaving.planners.budget import plan_for_budget, select_for_budget
 from memsaving.errors import BudgetError
-from memsaving.model.graph import chain_model
+from memsaving.model.graph import GraphModel, chain_model
 from memsaving.planners.refine import drop_from_keep_all, keep_more, recomputed_ops
 from memsaving.sim.simulate import simulate
 
@@ -34,6 +35,39 @@ def test_keep_more_fits_and_never_recomputes_more():
         assert sim.peak_bytes == simulate(model, ops).peak_bytes
 
 
+def _with_views(model, views):
+    """``model`` with the outputs of ``views`` made views (no bytes of their own)."""
+    tensors = dict(model.tensors)
+    ops = list(model.ops)
+    for i in views:
+        t = ops[i].outputs[0]
+        tensors[t] = replace(tensors[t], nbytes=0, value_bytes=tensors[t].nbytes)
+        ops[i] = replace(ops[i], type="Reshape", grad_reads=())
+    return GraphModel(ops, tensors, xs=model.xs, ys=model.ys)
+
+
+def test_keep_more_spends_no_simulation_on_views():
+    # the views cost more per byte than anything (a cost over zero bytes):
+    # tried first, they would use up the one simulation allowed
+    model = _with_views(chain_model([400] * 10, [1, 1, 50, 1, 1, 50, 1, 5, 1, 1]), views=(2, 5))
+    start = [9]
+    before = simulate(model, start)
+    ops, sim = keep_more(model, start, simulate(model).peak_bytes, max_evaluations=1)
+    added = set(ops) - set(start)
+    assert added and not added & {2, 5}
+    assert sim.recompute_cost < before.recompute_cost
+
+
+def test_keep_more_keeps_long_runs_in_few_simulations():
+    # every op fits: runs of 1, 2, 4, 8 ops keep all 14 recomputed ones in 4 simulations
+    model = chain_model([100] * 16, [float(16 - i) for i in range(16)])
+    start = [15]
+    assert len(recomputed_ops(model, start)) >= 14
+    ops, sim = keep_more(model, start, simulate(model).peak_bytes, max_evaluations=4)
+    assert sim.recompute_cost == 0
+    assert recomputed_ops(model, ops) == set()
+
+
 def test_keeping_every_op_recomputes_nothing():
     model = chain_model([300, 200, 500, 100, 400], [5, 1, 5, 1, 5], grad_reads="input")
     everything = list(range(len(model.ops)))
@@ -56,6 +90,23 @@ def test_drop_from_keep_all_recomputes_cheap_ops_first():
     assert sim.peak_bytes <= 0.8 * plain
     dropped = set(range(len(model.ops))) - set(ops)
     assert dropped and all(costs[i] == 1 for i in dropped)
+
+
+def test_drop_from_keep_all_gives_up_when_the_peak_falls_too_slowly():
+    # a large last tensor holds the peak up: each drop lowers it by 100 bytes
+    # of the 35,000 needed, so the descent is abandoned after one window
+    model = chain_model([100] * 200 + [50_000], grad_reads="input")
+    plain = simulate(model).peak_bytes
+    assert drop_from_keep_all(model, plain // 2) is None
+    assert len(model.derived("simulations", dict)) < 30
+
+
+def test_drop_from_keep_all_still_fits_a_steady_descent():
+    # the same chain without the large tensor: 100 bytes per drop is enough
+    model = chain_model([100] * 200, grad_reads="input")
+    plain = simulate(model).peak_bytes
+    found = drop_from_keep_all(model, int(0.6 * plain))
+    assert found is not None and found[1].peak_bytes <= 0.6 * plain
 
 
 def test_per_op_refinement_never_makes_budget_plans_worse():
