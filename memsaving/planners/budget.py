@@ -407,6 +407,14 @@ def minimum_peak(model: GraphModel, candidates: Sequence, *, keep_x_gradients: b
     return min(peaks)
 
 
+REFINED_SEARCH_EVALUATIONS = 20
+"""Simulations of the single-level search when the per-op refinement
+follows it (:func:`plan_for_budget`; 40 when the search alone decides, as in
+:func:`select_for_budget`): the refinement starts from the search's plan
+and recomputes far less, so a rougher start costs little.  More on graphs
+under 1,000 ops (:func:`_evaluations`)."""
+
+
 def plan_for_budget(
     model: GraphModel,
     candidates: Sequence[Union[int, Sequence[int]]],
@@ -447,8 +455,11 @@ def plan_for_budget(
         if or_lowest:
             return lowest
         _raise_infeasible(model, budget, lowest.peak)
+    searched = max_evaluations
+    if searched is None and per_op:
+        searched = _evaluations(model, at_least=REFINED_SEARCH_EVALUATIONS)
     found = _search(model, candidates, budget, keep_x_gradients=keep_x_gradients, cut_bytes=cut_bytes,
-                    max_evaluations=max_evaluations)
+                    max_evaluations=searched)
     proposals = []
     floor = None
     if found.best is not None:
