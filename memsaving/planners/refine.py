@@ -126,10 +126,9 @@ def drop_from_keep_all(
     if len(candidates) <= STEEPEST_MAX_CANDIDATES:
         return _steepest_drops(model, current, sim, budget, keep_x_gradients)
     score = (sim.peak_bytes, _excess(sim, model, budget))
-    order = sorted(candidates, key=lambda i: model.ops[i].cost / _output_bytes(model, i))[:limit]
-    peaks = [sim.peak_bytes]  # after each simulation
-    for i in order:
-        if used_up() or _stalled(peaks, budget, len(order) + 1):
+    order = sorted(candidates, key=lambda i: model.ops[i].cost / _output_bytes(model, i))
+    for i in order[:limit]:
+        if used_up():
             break
         trial = sorted(current - {i})
         trial_sim = simulate(model, trial, keep_x_gradients=keep_x_gradients)
@@ -138,26 +137,7 @@ def drop_from_keep_all(
             current, sim, score = set(trial), trial_sim, trial_score
             if sim.peak_bytes <= budget:
                 return sorted(current), sim
-        peaks.append(sim.peak_bytes)
     return None
-
-
-STALL_WINDOW = 15
-""":func:`drop_from_keep_all` gives up when, at the pace of its last this
-many simulations, the rest cannot bring the peak down to the budget."""
-
-
-def _stalled(peaks: Sequence[int], budget: int, total: int) -> bool:
-    """Whether a descent whose peak after each simulation were ``peaks``,
-    allowed ``total`` simulations, is too slow to reach ``budget``.
-
-    The peak is a maximum over the step, so it often stays flat for a few
-    drops and then falls at once; a whole window of drops is therefore
-    judged, and only once one has passed."""
-    if len(peaks) <= STALL_WINDOW:
-        return False
-    pace = (peaks[-STALL_WINDOW - 1] - peaks[-1]) / STALL_WINDOW
-    return pace * (total - len(peaks)) < peaks[-1] - budget
 
 
 STEEPEST_MAX_CANDIDATES = 120
