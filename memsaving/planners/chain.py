@@ -11,7 +11,7 @@ in constant time.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -28,6 +28,9 @@ class Chain:
     largest: np.ndarray  # largest tensor per op position (gradient buffers)
     anchor_cost: np.ndarray  # per candidate: cost of its ops a segment does not recompute
     _stretches: Optional[Tuple[np.ndarray, np.ndarray]] = field(default=None, repr=False, compare=False)
+    _to: Dict[Tuple[str, int], np.ndarray] = field(default_factory=dict, repr=False, compare=False)
+    """:meth:`memory_to` and :meth:`cost_to` by stage: the single-level DP
+    is solved for several budgets on one chain, and they do not depend on it."""
 
     @property
     def size(self) -> int:
@@ -49,7 +52,13 @@ class Chain:
         return float(reads + 2 * (self.largest[lo:hi + 1].max() if hi >= lo else 0.0))
 
     def memory_to(self, b: int) -> np.ndarray:
-        """``memory(a, b)`` for every ``a < b`` at once (vectorised DPs)."""
+        """``memory(a, b)`` for every ``a < b`` at once (vectorised DPs; read only)."""
+        key = ("memory", b)
+        if key not in self._to:
+            self._to[key] = self._memory_to(b)
+        return self._to[key]
+
+    def _memory_to(self, b: int) -> np.ndarray:
         starts = np.array(self.positions[:b]) + 1
         _, hi = self._span(0, b)
         reads = self.reads_prefix[hi + 1] - self.reads_prefix[starts]
@@ -61,7 +70,13 @@ class Chain:
         return reads + 2 * largest
 
     def cost_to(self, b: int) -> np.ndarray:
-        """``cost(a, b)`` for every ``a < b`` at once."""
+        """``cost(a, b)`` for every ``a < b`` at once (read only)."""
+        key = ("cost", b)
+        if key not in self._to:
+            self._to[key] = self._cost_to(b)
+        return self._to[key]
+
+    def _cost_to(self, b: int) -> np.ndarray:
         starts = np.array(self.positions[:b]) + 1
         _, hi = self._span(0, b)
         return np.maximum(self.cost_prefix[hi + 1] - self.cost_prefix[starts] - self._anchor(b), 0.0)
