@@ -468,7 +468,7 @@ def plan_for_budget(
     if per_op:
         starts = [_ops_of(found.cuts, found.best)] if found.best is not None else []
         proposals += refined_plans(model, starts, budget, keep_x_gradients=keep_x_gradients,
-                                   max_evaluations=max_evaluations)
+                                   max_evaluations=max_evaluations, descend=bool(starts))
     if multilevel:
         for nested, sim in _nested_search(model, candidates, budget, keep_x_gradients):
             floor = sim.peak_bytes if floor is None else min(floor, sim.peak_bytes)

@@ -94,6 +94,12 @@ def keep_more(
     return current, best
 
 
+def _drop_candidates(model: GraphModel) -> List[int]:
+    """The ops :func:`drop_from_keep_all` may stop keeping: forward ops that
+    can be recomputed and hold bytes of their own."""
+    return [i for i, op in enumerate(model.ops) if op.forward and op.copyable and _output_bytes(model, i) > 0]
+
+
 def _excess(sim: Simulation, model: GraphModel, budget: int) -> int:
     """Bytes above the budget summed over the timeline (a tie-breaker that
     rewards lowering secondary peaks too)."""
@@ -116,8 +122,7 @@ def drop_from_keep_all(
     equal peak, the bytes above the budget over the whole step).  Returns the
     checkpoint ops and simulation of the first plan that fits, or None.
     """
-    candidates = [i for i, op in enumerate(model.ops)
-                  if op.forward and op.copyable and _output_bytes(model, i) > 0]
+    candidates = _drop_candidates(model)
     current = set(candidates)
     sim = simulate(model, sorted(current), keep_x_gradients=keep_x_gradients)
     if sim.peak_bytes <= budget:
@@ -175,16 +180,29 @@ def refined_plans(
     *,
     keep_x_gradients: bool = False,
     max_evaluations: Optional[int] = None,
+    descend: bool = True,
 ) -> List[Proposal]:
     """Per-op refinements that fit ``budget``: each start plan that fits with
     more ops kept, and the plan grown down from keeping everything (also
-    with more ops kept again where the drops overshot), named ``"per-op"``."""
+    with more ops kept again where the drops overshot), named ``"per-op"``.
+
+    ``descend=False`` leaves out the descent from keeping everything on
+    graphs where it is one pass in a fixed order (over
+    :data:`STEEPEST_MAX_CANDIDATES` candidate ops).  The budget planner
+    does so when no plan of cuts fits: such a pass recomputes a few cheap
+    ops, which reaches budgets near the plain peak, not below every plan of
+    cuts.  The steepest descent of smaller graphs chooses each drop by
+    simulation and can (a U-Net's skip connections), so it always runs."""
     found = []
     for start in start_plans:
         ops, sim = keep_more(model, start, budget, keep_x_gradients=keep_x_gradients, max_evaluations=max_evaluations)
         if sim.peak_bytes <= budget:
             found.append((ops, sim))
-    dropped = drop_from_keep_all(model, budget, keep_x_gradients=keep_x_gradients, max_evaluations=max_evaluations)
+    steepest = len(_drop_candidates(model)) <= STEEPEST_MAX_CANDIDATES
+    dropped = None
+    if descend or steepest:
+        dropped = drop_from_keep_all(model, budget, keep_x_gradients=keep_x_gradients,
+                                     max_evaluations=max_evaluations)
     if dropped is not None:
         found.append(keep_more(model, dropped[0], budget, keep_x_gradients=keep_x_gradients,
                                max_evaluations=max_evaluations))
