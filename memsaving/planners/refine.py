@@ -192,7 +192,8 @@ def refined_plans(
     does so when no plan of cuts fits: such a pass recomputes a few cheap
     ops, which reaches budgets near the plain peak, not below every plan of
     cuts.  The steepest descent of smaller graphs chooses each drop by
-    simulation and can (a U-Net's skip connections), so it always runs."""
+    simulation and can reach such budgets (a U-Net, whose skip connections
+    stay alive across every cut), so it always runs."""
     found = []
     for start in start_plans:
         ops, sim = keep_more(model, start, budget, keep_x_gradients=keep_x_gradients, max_evaluations=max_evaluations)

@@ -6,7 +6,7 @@ from dataclasses import replace
 from memsaving.planners.budget import plan_for_budget, select_for_budget
 from memsaving.errors import BudgetError
 from memsaving.model.graph import GraphModel, chain_model
-from memsaving.planners.refine import drop_from_keep_all, keep_more, recomputed_ops
+from memsaving.planners.refine import STEEPEST_MAX_CANDIDATES, drop_from_keep_all, keep_more, recomputed_ops, refined_plans
 from memsaving.sim.simulate import simulate
 
 
@@ -90,6 +90,20 @@ def test_drop_from_keep_all_recomputes_cheap_ops_first():
     assert sim.peak_bytes <= 0.8 * plain
     dropped = set(range(len(model.ops))) - set(ops)
     assert dropped and all(costs[i] == 1 for i in dropped)
+
+
+def test_refined_plans_skip_the_one_pass_descent_only_when_told():
+    # over STEEPEST_MAX_CANDIDATES ops the descent is one pass in a fixed order:
+    # descend=False (no plan of cuts fits) leaves it out, with no simulation
+    large = chain_model([100] * (STEEPEST_MAX_CANDIDATES + 30), grad_reads="input")
+    budget = int(0.97 * simulate(large).peak_bytes)
+    assert refined_plans(large, [], budget)
+    large = chain_model([100] * (STEEPEST_MAX_CANDIDATES + 30), grad_reads="input")
+    assert refined_plans(large, [], budget, descend=False) == []
+    assert len(large.derived("simulations", dict)) == 0
+    # the steepest descent of small graphs runs either way
+    small = chain_model([100] * 10, grad_reads="input")
+    assert refined_plans(small, [], int(0.9 * simulate(small).peak_bytes), descend=False)
 
 
 def test_per_op_refinement_never_makes_budget_plans_worse():
