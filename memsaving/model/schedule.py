@@ -187,12 +187,12 @@ def _segment_units(model: GraphModel, anchor: int, kept: Set[int], inner: Inner,
     checkpoints the advance unit and the sub-segments (``feeders``: the
     table :func:`closure` follows)."""
     if not inner.get(anchor):
-        ops = _closure(feeders, [anchor], kept)
-        if inplace and ops == (anchor,):
+        segment = model.derived("segments", lambda: _Segments(len(model.ops))).get(anchor, kept, feeders)
+        if inplace and segment.ops == (anchor,):
             # every input is kept: differentiate the op where it is, reading
             # its kept outputs, rather than recompute them
-            return [Unit(UnitKind.INPLACE, anchor, ops)]
-        return [Unit(UnitKind.SEGMENT, anchor, ops)]
+            return [segment.unit(UnitKind.INPLACE)]
+        return [segment.unit(UnitKind.SEGMENT)]
     inside = tuple(sorted(inner[anchor]))
     deeper = kept | set(inside)
     units = [Unit(UnitKind.ADVANCE, anchor, _closure(feeders, inside, kept)),
@@ -200,6 +200,70 @@ def _segment_units(model: GraphModel, anchor: int, kept: Set[int], inner: Inner,
     for sub in reversed(inside):
         units.extend(_segment_units(model, sub, deeper, inner, False, feeders))
     return units
+
+
+class _Segment:
+    """An anchor's segment (:func:`closure` from the anchor) for some kept
+    set, and what decides whether it is the segment for another: the ops
+    it recomputes besides the anchor (``inside``) and the ops feeding them
+    it stopped at (``boundary``).  For a kept set that has no op of
+    ``inside`` and every op of ``boundary``, the closure follows the same
+    edges and stops at the same ops: it is the same segment."""
+
+    __slots__ = ("anchor", "ops", "inside", "boundary", "units")
+
+    def __init__(self, anchor: int, kept: Set[int], feeders: List[Tuple[int, ...]]):
+        # the traversal of _closure from the anchor, noting where it stops
+        found, boundary, stack = {anchor}, set(), [anchor]
+        while stack:
+            for producer in feeders[stack.pop()]:
+                if producer in kept:
+                    boundary.add(producer)
+                elif producer not in found:
+                    found.add(producer)
+                    stack.append(producer)
+        self.anchor, self.ops = anchor, tuple(sorted(found))
+        found.discard(anchor)
+        self.inside, self.boundary = found, boundary
+        self.units: Dict[UnitKind, Unit] = {}
+        """Its unit of each kind, made once (the same objects, plan after plan)."""
+
+    def unit(self, kind: UnitKind) -> Unit:
+        """The unit of ``kind`` (segment or inplace) on these ops."""
+        found = self.units.get(kind)
+        if found is None:
+            found = self.units[kind] = Unit(kind, self.anchor, self.ops)
+        return found
+
+
+class _Segments:
+    """Each anchor's last segment (:class:`_Segment`), so that the plans
+    that keep the same ops around an anchor (the neighbours a planner
+    tries one after the other) follow its closure once.  At most about
+    :data:`_SEGMENT_OPS_PER_OP` ops of segments per op of the model are
+    kept: past that, all are forgotten."""
+
+    def __init__(self, op_count: int):
+        self.limit = _SEGMENT_OPS_PER_OP * max(op_count, 1)
+        self.found: Dict[int, _Segment] = {}
+        self.size = 0
+
+    def get(self, anchor: int, kept: Set[int], feeders: List[Tuple[int, ...]]) -> _Segment:
+        """``anchor``'s segment when ``kept`` ops are kept."""
+        segment = self.found.get(anchor)
+        if segment is not None and segment.inside.isdisjoint(kept) and segment.boundary.issubset(kept):
+            return segment
+        if segment is not None:
+            self.size -= len(segment.ops) + len(segment.boundary)
+        if self.size > self.limit:
+            self.found.clear()
+            self.size = 0
+        segment = self.found[anchor] = _Segment(anchor, kept, feeders)
+        self.size += len(segment.ops) + len(segment.boundary)
+        return segment
+
+
+_SEGMENT_OPS_PER_OP = 16
 
 
 def validate_inner(model: GraphModel, kept: Set[int], inner: Inner) -> None:
