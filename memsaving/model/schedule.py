@@ -187,12 +187,7 @@ def _segment_units(model: GraphModel, anchor: int, kept: Set[int], inner: Inner,
     checkpoints the advance unit and the sub-segments (``feeders``: the
     table :func:`closure` follows)."""
     if not inner.get(anchor):
-        segment = model.derived("segments", lambda: _Segments(len(model.ops))).get(anchor, kept, feeders)
-        if inplace and segment.ops == (anchor,):
-            # every input is kept: differentiate the op where it is, reading
-            # its kept outputs, rather than recompute them
-            return [segment.unit(UnitKind.INPLACE)]
-        return [segment.unit(UnitKind.SEGMENT)]
+        return [model.derived("segments", lambda: _Segments(len(model.ops))).unit(anchor, kept, inplace, feeders)]
     inside = tuple(sorted(inner[anchor]))
     deeper = kept | set(inside)
     units = [Unit(UnitKind.ADVANCE, anchor, _closure(feeders, inside, kept)),
@@ -205,28 +200,32 @@ def _segment_units(model: GraphModel, anchor: int, kept: Set[int], inner: Inner,
 class _Segment:
     """An anchor's segment (:func:`closure` from the anchor) for some kept
     set, and what decides whether it is the segment for another: the ops
-    it recomputes besides the anchor (``inside``) and the ops feeding them
-    it stopped at (``boundary``).  For a kept set that has no op of
-    ``inside`` and every op of ``boundary``, the closure follows the same
-    edges and stops at the same ops: it is the same segment."""
+    it recomputes besides the anchor (``inside``) and the kept ops feeding
+    them (``boundary``).  For a kept set that has no op of ``inside`` and
+    every op of ``boundary``, the closure follows the same edges and stops
+    at the same ops: it is the same segment."""
 
     __slots__ = ("anchor", "ops", "inside", "boundary", "units")
 
     def __init__(self, anchor: int, kept: Set[int], feeders: List[Tuple[int, ...]]):
         # the traversal of _closure from the anchor, noting where it stops
-        found, boundary, stack = {anchor}, set(), [anchor]
+        found, boundary, stack = {anchor}, [], [anchor]
         while stack:
             for producer in feeders[stack.pop()]:
                 if producer in kept:
-                    boundary.add(producer)
+                    boundary.append(producer)
                 elif producer not in found:
                     found.add(producer)
                     stack.append(producer)
         self.anchor, self.ops = anchor, tuple(sorted(found))
         found.discard(anchor)
-        self.inside, self.boundary = found, boundary
+        self.inside, self.boundary = found, frozenset(boundary)
         self.units: Dict[UnitKind, Unit] = {}
         """Its unit of each kind, made once (the same objects, plan after plan)."""
+
+    def fits(self, kept: Set[int]) -> bool:
+        """Whether it is the anchor's segment when ``kept`` ops are kept."""
+        return self.inside.isdisjoint(kept) and self.boundary.issubset(kept)
 
     def unit(self, kind: UnitKind) -> Unit:
         """The unit of ``kind`` (segment or inplace) on these ops."""
@@ -239,29 +238,44 @@ class _Segment:
 class _Segments:
     """Each anchor's last segment (:class:`_Segment`), so that the plans
     that keep the same ops around an anchor (the neighbours a planner
-    tries one after the other) follow its closure once.  At most about
-    :data:`_SEGMENT_OPS_PER_OP` ops of segments per op of the model are
-    kept: past that, all are forgotten."""
+    tries one after the other) follow its closure once and have the same
+    unit.  An anchor seen once gets none (the first plans of a search
+    share few segments).  At most about :data:`_SEGMENT_OPS_PER_OP` ops of
+    segments per op of the model are kept: past that, all are forgotten."""
 
     def __init__(self, op_count: int):
         self.limit = _SEGMENT_OPS_PER_OP * max(op_count, 1)
-        self.found: Dict[int, _Segment] = {}
+        self.found: Dict[int, Optional[_Segment]] = {}
+        """Each anchor's last segment, or None when seen once."""
         self.size = 0
 
-    def get(self, anchor: int, kept: Set[int], feeders: List[Tuple[int, ...]]) -> _Segment:
-        """``anchor``'s segment when ``kept`` ops are kept."""
-        segment = self.found.get(anchor)
-        if segment is not None and segment.inside.isdisjoint(kept) and segment.boundary.issubset(kept):
-            return segment
-        if segment is not None:
-            self.size -= len(segment.ops) + len(segment.boundary)
-        if self.size > self.limit:
-            self.found.clear()
-            self.size = 0
-        segment = self.found[anchor] = _Segment(anchor, kept, feeders)
-        self.size += len(segment.ops) + len(segment.boundary)
-        return segment
+    def unit(self, anchor: int, kept: Set[int], inplace: bool, feeders: List[Tuple[int, ...]]) -> Unit:
+        """``anchor``'s unit when ``kept`` ops are kept: an inplace unit when
+        ``inplace`` and every input is kept, else a segment."""
+        segment = self.found.get(anchor, _UNSEEN)
+        if segment is _UNSEEN:
+            self.found[anchor] = None
+            ops = _closure(feeders, [anchor], kept)
+            return Unit(_segment_kind(inplace, ops, anchor), anchor, ops)
+        if segment is None or not segment.fits(kept):
+            if segment is not None:
+                self.size -= len(segment.ops) + len(segment.boundary)
+            if self.size > self.limit:
+                self.found.clear()
+                self.size = 0
+            segment = self.found[anchor] = _Segment(anchor, kept, feeders)
+            self.size += len(segment.ops) + len(segment.boundary)
+        return segment.unit(_segment_kind(inplace, segment.ops, anchor))
 
+
+def _segment_kind(inplace: bool, ops: tuple, anchor: int) -> UnitKind:
+    """Inplace when asked for and every input of the anchor is kept (it is
+    differentiated where it is, reading its kept outputs, rather than
+    recomputed), else a segment."""
+    return UnitKind.INPLACE if inplace and ops == (anchor,) else UnitKind.SEGMENT
+
+
+_UNSEEN = object()
 
 _SEGMENT_OPS_PER_OP = 16
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
-from typing import Any, Callable, Container, Dict, FrozenSet, Iterable, List, Sequence, Set, Tuple
+from typing import Any, Callable, Container, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
 
 from memsaving.model.buffers import Action, BufferRows, Key, on_buffers, with_reads
 from memsaving.model.graph import BACKWARD_COST_FACTOR, GraphModel, OpInfo, gradient_sinks, receives_gradient
@@ -241,7 +241,7 @@ def step_actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[
     return forward + step.actions, unit_ends
 
 
-def step_blocks(model: GraphModel, units: List[Unit]) -> Tuple[List[UnitBlock], List[int]]:
+def step_blocks(model: GraphModel, units: List[Unit]) -> Optional[Tuple[List[UnitBlock], List[int]]]:
     """The step of :func:`step_actions` in blocks of actions, and its unit
     ends: the forward pass, the seed of the gradients, then the units'.
 
@@ -252,20 +252,26 @@ def step_blocks(model: GraphModel, units: List[Unit]) -> Tuple[List[UnitBlock], 
     first time share blocks made for this plan alone.  The blocks' actions
     are only there until their rows are made (:func:`block_rows`).
 
-    A plan in which two units copy with the same tag and anchor (inner
-    checkpoints shared by two segments) is one block made for it alone: a
-    unit's views would pin the bases the other unit copies."""
+    None when the plan is better replayed as one list of actions
+    (:func:`step_actions`): when most of its runs were never seen (the
+    first plans of a search, which share little: making blocks for them
+    would cost more than it saves), and when two of its units copy with
+    the same tag and anchor (inner checkpoints shared by two segments: a
+    unit's views would pin the bases the other unit copies)."""
     memo = model.derived("unit blocks", lambda: _unit_memo(model))
     memo.begin()
     step = _BackwardPass(model)
-    latest, tensors, entry_of, store = step.grads.latest, step.tensors, memo.entry, memo.store
+    latest, tensors, store = step.grads.latest, step.tensors, memo.store
+    cut = runs(units)
+    entries = [memo.entry(run, tensors) for run in cut]
+    if 2 * entries.count(None) > len(entries):
+        return None
     blocks = [memo.fixed[0], memo.fixed[1]]
     unit_ends: List[int] = []
     count = len(model.ops) + 1  # actions in the blocks so far: the forward pass and the seed
     token = 0
     running = False  # runs seen for the first time are being run into one block
-    for run in runs(units):
-        entry = entry_of(run, tensors)
+    for run, entry in zip(cut, entries):
         if entry is None:
             if not running:
                 step.begin_run()
@@ -294,8 +300,7 @@ def step_blocks(model: GraphModel, units: List[Unit]) -> Tuple[List[UnitBlock], 
     if running:
         blocks.append(step.end_run(token))
     if token and not _copies_distinct(units):
-        actions, unit_ends = step_actions(model, set(), units)
-        return [UnitBlock(actions)], unit_ends
+        return None
     if not units or units[0].kind != UnitKind.OUTPUT:
         unit_ends.insert(0, len(model.ops))  # the seed: the forward pass ends there
     return blocks, unit_ends

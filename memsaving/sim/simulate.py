@@ -191,10 +191,11 @@ def _replayed(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: 
     units = backward_units(model, kept, inner, inplace=bool(swapped) if inplace is None else inplace)
     pinned = {("g", x) for x in gradient_sinks(model)} if keep_x_gradients else set()
     reordered = unpinned and model.ready_gradients_early and not swapped
-    if swapped or reordered or cost is not None:
-        return _timed_or_reordered(model, units, pinned, swapped, cost, reordered)
     # the blocks of the units earlier plans ran in the same state, and their rows, are reused
-    blocks, unit_ends = step_blocks(model, units)
+    stepped = None if swapped or reordered or cost is not None else step_blocks(model, units)
+    if stepped is None:
+        return _replayed_list(model, units, pinned, swapped, cost, reordered)
+    blocks, unit_ends = stepped
     timeline, peak = replay_rows(block_rows(model, blocks), pinned)
     labels = list(chain.from_iterable(map(attrgetter("labels"), blocks)))
     charge(len(labels))
@@ -211,11 +212,12 @@ def _replayed(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: 
     )
 
 
-def _timed_or_reordered(model: GraphModel, units: List[Unit], pinned: Set[Key], swapped: FrozenSet[int],
-                        cost: Optional[CostModel], reordered: bool) -> Simulation:
-    """:func:`_replayed` of a plan that is timed (swaps, a cost model) or
-    whose actions are replayed in the executor's order: on the whole list
-    of actions, made for it alone."""
+def _replayed_list(model: GraphModel, units: List[Unit], pinned: Set[Key], swapped: FrozenSet[int],
+                   cost: Optional[CostModel], reordered: bool) -> Simulation:
+    """:func:`_replayed` on the whole list of actions, made for the plan
+    alone: a plan that is timed (swaps, a cost model), whose actions are
+    replayed in the executor's order, or that is not made of blocks
+    (:func:`memsaving.sim.actions.step_blocks`)."""
     actions, unit_ends = step_actions(model, set(), units)
     if reordered:
         actions, unit_ends = _median_executor_order(actions, unit_ends, pinned)
