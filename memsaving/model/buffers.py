@@ -137,7 +137,7 @@ class BufferRows:
         self.number: Dict[Key, int] = dict(prefix.number) if prefix is not None else {}
         first = prefix.numbers if prefix is not None else 0
         rows = _Rows(actions[known:], self.number, first, known)
-        self.numbers = first + len(rows.write_keys) + len(rows.reads)
+        self.numbers = first + rows.numbered
         reads, write_keys = rows.reads, rows.write_keys
         if prefix is not None:
             for name in _ROW_ARRAYS:
@@ -221,25 +221,49 @@ class BufferRows:
         _, first = np.unique(pair, return_index=True)  # each buffer once, at its first read
         first.sort()
         offered, pair = offered[first], pair[first]
-        offered = offered[~_among(pair, self.write_action * self.numbers + self.write_id)]  # rewritten in place
         offering = np.zeros(self.count, bool)
         offering[read_action[offered]] = True
+        writing = offering[self.write_action]  # the writes of the actions that offer
+        rewritten = self.write_action[writing] * self.numbers + self.write_id[writing]
+        offered = offered[~_among(pair, rewritten)]  # rewritten in place
+        offering[:] = False
+        offering[read_action[offered]] = True
         takers = np.flatnonzero((self.write_bytes > 0) & offering[self.write_action])
-        offered_size = sizes[read_id[offered]]
-        taken_size = self.write_bytes[takers]
-        # pair rows by (action, size, rank among the action's rows of that size)
-        size_code = np.unique(np.concatenate([offered_size, taken_size]), return_inverse=True)[1].reshape(-1)
-        offered_key = (read_action[offered], size_code[:len(offered)])
-        taken_key = (self.write_action[takers], size_code[len(offered):])
-        offered_key += (_ranks(*offered_key),)
-        taken_key += (_ranks(*taken_key),)
-        bounds = [int(max(np.max(a, initial=0), np.max(b, initial=0))) + 1 for a, b in zip(offered_key, taken_key)]
-        _, by_offer, by_write = np.intersect1d(np.ravel_multi_index(offered_key, bounds),
-                                               np.ravel_multi_index(taken_key, bounds),
-                                               assume_unique=True, return_indices=True)
-        order = np.argsort(takers[by_write])
-        writes = takers[by_write][order]
-        return self.write_action[writes], writes, offered[by_offer][order]
+        # pair rows by (action, size, rank among the action's rows of that size):
+        # the k-th taker of a group takes the k-th offered buffer of it
+        offered_group, taker_group = _size_groups(read_action[offered], sizes[read_id[offered]],
+                                                  self.write_action[takers], self.write_bytes[takers])
+        by_offer = np.argsort(offered_group, kind="stable")
+        by_taker = np.argsort(taker_group, kind="stable")
+        offered_group, taker_group = offered_group[by_offer], taker_group[by_taker]
+        first_offer = np.searchsorted(offered_group, taker_group, "left")
+        offers = np.searchsorted(offered_group, taker_group, "right") - first_offer
+        rank = _ranks_in_runs(taker_group)
+        paired = rank < offers
+        writes = takers[by_taker[paired]]
+        donors = offered[by_offer[first_offer[paired] + rank[paired]]]
+        order = np.argsort(writes)
+        return self.write_action[writes[order]], writes[order], donors[order]
+
+
+def _size_groups(offered_action: np.ndarray, offered_size: np.ndarray, taker_action: np.ndarray,
+                 taker_size: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """One number per (action, size) for the offered buffers and the
+    takers (the same for both when action and size are)."""
+    span = int(max(np.max(offered_size, initial=0), np.max(taker_size, initial=0))) + 1
+    actions = int(max(np.max(offered_action, initial=0), np.max(taker_action, initial=0))) + 1
+    if actions * span >= 1 << 62:  # sizes too large to number by: number the sizes instead
+        codes = np.unique(np.concatenate([offered_size, taker_size]), return_inverse=True)[1].reshape(-1)
+        offered_size, taker_size, span = codes[:len(offered_size)], codes[len(offered_size):], len(codes) + 1
+    return offered_action * span + offered_size, taker_action * span + taker_size
+
+
+def _ranks_in_runs(values: np.ndarray) -> np.ndarray:
+    """Each entry's rank among the equal entries before it (``values`` sorted)."""
+    position = np.arange(len(values))
+    starts = np.ones(len(values), bool)
+    starts[1:] = values[1:] != values[:-1]
+    return position - np.maximum.accumulate(np.where(starts, position, 0)) if len(values) else position
 
 
 _ROW_ARRAYS = ("write_id", "read_id", "write_action", "read_action", "write_bytes", "forwards", "temp",
@@ -250,17 +274,27 @@ _ROW_ARRAYS = ("write_id", "read_id", "write_action", "read_action", "write_byte
 class _Rows:
     """The row arrays of a run of actions (see :class:`BufferRows`), the
     actions numbered from ``first_action``, each new key of the rows
-    numbered in ``number`` by its row, counted from ``first``."""
+    numbered in ``number`` from ``first``: by its row, or (``dense``) one
+    after the other; :attr:`numbered` counts the numbers given."""
 
-    def __init__(self, actions: Sequence[Action], number: Dict[Key, int], first: int, first_action: int):
+    def __init__(self, actions: Sequence[Action], number: Dict[Key, int], first: int, first_action: int,
+                 dense: bool = False):
         read_lists = list(map(attrgetter("reads"), actions))
         write_lists = list(map(attrgetter("writes"), actions))
         writes = list(chain.from_iterable(write_lists))
         self.reads: List[Key] = list(chain.from_iterable(read_lists))
         self.write_keys: List[Key] = list(map(itemgetter(0), writes))
-        rows = itertools_count(first)
-        self.write_id = np.fromiter(map(number.setdefault, self.write_keys, rows), np.intp, len(writes))
-        self.read_id = np.fromiter(map(number.setdefault, self.reads, rows), np.intp, len(self.reads))
+        if dense:
+            new = [key for key in chain(self.write_keys, self.reads) if key not in number]
+            number.update(zip(new, itertools_count(first)))  # a key listed twice leaves a gap
+            self.numbered = len(new)
+            self.write_id = np.fromiter(map(number.__getitem__, self.write_keys), np.intp, len(writes))
+            self.read_id = np.fromiter(map(number.__getitem__, self.reads), np.intp, len(self.reads))
+        else:
+            rows = itertools_count(first)
+            self.numbered = len(writes) + len(self.reads)
+            self.write_id = np.fromiter(map(number.setdefault, self.write_keys, rows), np.intp, len(writes))
+            self.read_id = np.fromiter(map(number.setdefault, self.reads, rows), np.intp, len(self.reads))
         self.read_counts = np.fromiter(map(len, read_lists), np.intp, len(actions))
         self.write_counts = np.fromiter(map(len, write_lists), np.intp, len(actions))
         indices = np.arange(first_action, first_action + len(actions))
@@ -280,10 +314,10 @@ class _Rows:
 class KeyNumbers(dict):
     """Buffer numbers shared by the row blocks of many lists of actions
     (:class:`RowBlock`): a key keeps the number the first block that has
-    it gave it (the block's row where it first appears, so numbers have
-    gaps), and every number is below :attr:`bound`.  The table grows with
-    each block made: its owner starts a new one (and new blocks) when
-    :attr:`bound` is too large."""
+    it gave it (the next one free, so that a replay's arrays by buffer
+    stay short), and every number is below :attr:`bound`.  The table
+    grows with each block made: its owner starts a new one (and new
+    blocks) when :attr:`bound` is too large."""
 
     def __init__(self):
         super().__init__()
@@ -312,8 +346,8 @@ class RowBlock:
     __slots__ = ("packed", "read_starts", "write_starts")
 
     def __init__(self, actions: Sequence[Action], numbers: KeyNumbers):
-        rows = _Rows(actions, numbers, numbers.bound, 0)
-        numbers.bound += len(rows.write_keys) + len(rows.reads)
+        rows = _Rows(actions, numbers, numbers.bound, 0, dense=True)
+        numbers.bound += rows.numbered
         self.packed = (np.stack([rows.read_id, rows.read_action]),
                        np.stack([rows.write_id, rows.write_action, rows.write_bytes, rows.result_write]),
                        np.stack([rows.forwards, rows.temp]))
@@ -339,20 +373,6 @@ def _among(values: np.ndarray, candidates: np.ndarray) -> np.ndarray:
     if not len(candidates):
         return np.zeros(len(values), bool)
     return candidates[np.minimum(found, len(candidates) - 1)] == values
-
-
-def _ranks(groups: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Each row's rank among the earlier rows of the same group and size."""
-    if not len(groups):
-        return np.zeros(0, np.intp)
-    order = np.lexsort((sizes, groups))  # stable: equal rows keep their order
-    group, size = groups[order], sizes[order]
-    starts = np.ones(len(order), bool)
-    starts[1:] = (group[1:] != group[:-1]) | (size[1:] != size[:-1])
-    position = np.arange(len(order))
-    rank = np.empty(len(order), np.intp)
-    rank[order] = position - np.maximum.accumulate(np.where(starts, position, 0))
-    return rank
 
 
 def consumed_at_once(key: Key, action: Action, i: int, last_read: Dict[Key, int], pinned: Set[Key]) -> bool:

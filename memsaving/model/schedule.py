@@ -167,33 +167,37 @@ def backward_units(model: GraphModel, kept: Set[int], inner: Optional[Inner] = N
     ]
     feeders = model.derived("forward feeders", lambda: _forward_feeders(model))
     passes = model.derived("pass units", dict)  # the same in every plan
+    segments = model.derived("segments", lambda: _Segments(len(model.ops)))
     units = []
     if inner_ys:
         units.append(Unit(UnitKind.OUTPUT, -1, _closure(feeders, inner_ys, kept)))
+    ops = model.ops
     for i in sorted(kept, reverse=True):
-        op = model.ops[i]
-        if op.copyable:
-            units.extend(_segment_units(model, i, kept, inner, inplace, feeders))
-        else:
+        if not ops[i].copyable:
             if i not in passes:
                 passes[i] = Unit(UnitKind.PASS, i, (i,))
             units.append(passes[i])
+        elif inner.get(i):
+            units.extend(_segment_units(i, kept, inner, inplace, feeders, segments))
+        else:
+            units.append(segments.unit(i, kept, inplace, feeders))
     return units
 
 
-def _segment_units(model: GraphModel, anchor: int, kept: Set[int], inner: Inner,
-                   inplace: bool, feeders: List[Tuple[int, ...]]) -> List[Unit]:
+def _segment_units(anchor: int, kept: Set[int], inner: Inner, inplace: bool, feeders: List[Tuple[int, ...]],
+                   segments: "_Segments") -> List[Unit]:
     """The units of ``anchor``'s segment: the segment, or with inner
     checkpoints the advance unit and the sub-segments (``feeders``: the
-    table :func:`closure` follows)."""
+    table :func:`closure` follows; ``segments``: the model's remembered
+    segments)."""
     if not inner.get(anchor):
-        return [model.derived("segments", lambda: _Segments(len(model.ops))).unit(anchor, kept, inplace, feeders)]
+        return [segments.unit(anchor, kept, inplace, feeders)]
     inside = tuple(sorted(inner[anchor]))
     deeper = kept | set(inside)
     units = [Unit(UnitKind.ADVANCE, anchor, _closure(feeders, inside, kept)),
              Unit(UnitKind.SEGMENT, anchor, _closure(feeders, [anchor], deeper))]
     for sub in reversed(inside):
-        units.extend(_segment_units(model, sub, deeper, inner, False, feeders))
+        units.extend(_segment_units(sub, deeper, inner, False, feeders, segments))
     return units
 
 

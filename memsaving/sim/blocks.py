@@ -155,10 +155,11 @@ class UnitMemo:
     def begin(self) -> None:
         """Called before each plan: start over when the buffer numbers
         have grown past what the replays should allocate per buffer (the
-        blocks of one plan share one table); keep only the rows of the
-        blocks remembered when the stored rows have grown large."""
+        blocks of one plan share one table) or the advance units named
+        are too many; keep only the rows of the blocks remembered when the
+        stored rows have grown large."""
         self.clock += 1
-        if self.row_store.numbers.bound > _NUMBERS_PER_ACTION * self.capacity:
+        if self.row_store.numbers.bound > _NUMBERS_PER_ACTION * self.capacity or len(self.tokens) > self.capacity:
             self.start_over()
         elif self.row_store.actions > 2 * self.capacity:
             self.row_store.keep([block for block in chain(self.fixed, *(
@@ -237,7 +238,7 @@ _STATES_PER_RUN = 4
 """Blocks remembered per run (the states it was reached in): the plans of
 one search reach a run in one or two."""
 
-_NUMBERS_PER_ACTION = 8
+_NUMBERS_PER_ACTION = 2
 """Buffer numbers per action of capacity before the memo starts over: a
-replay allocates a few arrays of one entry per number, and rows are
-numbered by row (an action has about four)."""
+replay allocates a few arrays of one entry per number, and an action
+writes about one buffer."""
