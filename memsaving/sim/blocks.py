@@ -119,8 +119,8 @@ class _Entry:
         self.targets = targets
         """The tensors it adds gradient to."""
         self.blocks: Dict[tuple, UnitBlock] = {}
-        self.size = 0
-        """The actions of its blocks (and one per block)."""
+        self.size = 1
+        """The actions of its blocks, and one per block and one for itself."""
         self.used = used
         """The last plan that used it (:attr:`UnitMemo.clock`)."""
 
@@ -145,7 +145,7 @@ class UnitMemo:
         self.entries: Dict[Run, Union[_Entry, int]] = {}
         """Each run's entry, or the plan it was seen in when seen once."""
         self.size = 0
-        """The actions of the entries' blocks (and one per block, one per run seen once)."""
+        """The actions of the entries' blocks, and one per block and one per run."""
         self.tokens: Dict[Tuple[int, Unit], int] = {}
         self.row_store = RowStore()
         """The rows of the blocks."""
@@ -180,8 +180,7 @@ class UnitMemo:
             if self.size > self.capacity:
                 self._forget()
             return None
-        entry = self.entries[run] = _Entry(*tensors(run), self.clock)
-        self.size -= 1
+        entry = self.entries[run] = _Entry(*tensors(run), self.clock)  # counted one, as when seen once
         return entry
 
     def store(self, entry: _Entry, state: tuple, block: UnitBlock) -> None:
