@@ -327,12 +327,16 @@ def _unit_memo(model: GraphModel) -> UnitMemo:
     return UnitMemo(max(_MIN_REMEMBERED_ACTIONS, _REMEMBERED_ACTIONS_PER_OP * len(model.ops)), fixed)
 
 
-_REMEMBERED_ACTIONS_PER_OP = 16
+_REMEMBERED_ACTIONS_PER_OP = 8
 """The actions of the blocks :func:`step_blocks` remembers, per op of the
 model: a plan has about three actions per op, so this holds the blocks of
-a few plans, and the hot ones of many neighbours."""
+two or three plans (the plan a search moves from and its neighbours'
+new runs).  The memo then holds at most some 4 kB per op (the blocks'
+labels and rows, the buffer numbers, the states they start in): about
+40 MB on a graph of 10,000 ops."""
 
 _MIN_REMEMBERED_ACTIONS = 4096
+"""The capacity of the memo of small graphs."""
 
 
 class _BackwardPass:
