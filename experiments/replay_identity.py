@@ -19,8 +19,14 @@ dumped order, then again in a shuffled order with whatever the first pass
 left remembered, then each after forgetting everything derived.  The plan
 list depends on the models only, so both versions build the same one.
 
-    python experiments/replay_identity.py dump  --code /work/main OUT.pkl [--models DIR] [--only NAME]
-    python experiments/replay_identity.py check --code .          OUT.pkl [--models DIR] [--only NAME]
+With ``--planners``, the budget planner (:func:`memsaving.planners.budget.plan_for_budget`,
+single-level search, per-op refinements, multi-level plans) plans each
+model for two budgets instead, and its proposal and every simulation it
+remembers (the last 128 it ran) are compared: the sequences of plans the
+planners really score.  Both versions must have the same planners then.
+
+    python experiments/replay_identity.py dump  --code /work/main OUT.pkl [--models DIR] [--only NAME] [--planners]
+    python experiments/replay_identity.py check --code .          OUT.pkl [--models DIR] [--only NAME] [--planners]
 
 ``--code``: the folder whose ``memsaving`` package is imported (run the
 script by its path, so that the folder it lies in does not decide it).
@@ -204,6 +210,31 @@ def _score(model, plans, forget_all: bool = False) -> List[Tuple]:
     return found
 
 
+def _planned(model) -> List[Tuple[str, Any]]:
+    """The budget planner's proposals for two budgets between the lowest
+    peak and plain backprop's, each with the simulations it remembers."""
+    from memsaving.candidates.cuts import memory_candidates
+    from memsaving.errors import BudgetError
+    from memsaving.planners.budget import lowest_peak_plan, plan_for_budget
+    from memsaving.sim.simulate import simulate
+
+    candidates = [cut for cut, _ in memory_candidates(model)]
+    plain = simulate(replace(model)).peak_bytes
+    lowest = lowest_peak_plan(replace(model), candidates).peak
+    found = []
+    for fraction in (0.4, 0.8):
+        copy = replace(model)
+        budget = int(plain - fraction * (plain - lowest))
+        try:
+            proposal = repr(plan_for_budget(copy, candidates, budget))
+        except BudgetError as error:
+            proposal = str(error)
+        remembered = {key: tuple(getattr(sim, name) for name in FIELDS)
+                      for key, sim in copy.derived("simulations", dict).items()}
+        found.append((f"budget {budget}: {proposal}", remembered))
+    return found
+
+
 def _compare(name: str, plans, expected, got, how: str) -> int:
     """Count (and print the first few of) the plans whose fields differ."""
     wrong = 0
@@ -223,11 +254,15 @@ def main() -> None:
     parser.add_argument("--code", type=pathlib.Path, required=True, help="folder holding the memsaving package")
     parser.add_argument("--models", type=pathlib.Path, default=pathlib.Path("/tmp/s6/clean"))
     parser.add_argument("--only", nargs="*", default=[], help="model names (pickle stems, or chain)")
+    parser.add_argument("--planners", action="store_true", help="compare the budget planner's runs instead")
     args = parser.parse_args()
     sys.path.insert(0, str(args.code.resolve()))
     import memsaving
     print(f"memsaving from {pathlib.Path(memsaving.__file__).parent}")
     models = _models(args.models, args.only)
+    if args.planners:
+        _check_planners(args, models)
+        return
     if args.mode == "dump":
         saved = {}
         for name, model in models.items():
@@ -259,6 +294,31 @@ def main() -> None:
         wrong += bad
         print(f"{name:28s} {len(plans):4d} plans  {bad} differ  {time.process_time() - start:6.1f} s")
     print(f"{total} replays compared, {wrong} differ")
+    sys.exit(1 if wrong else 0)
+
+
+def _check_planners(args, models) -> None:
+    """``main`` with ``--planners``."""
+    if args.mode == "dump":
+        saved = {}
+        for name, model in models.items():
+            start = time.process_time()
+            saved[name] = _planned(model)
+            print(f"{name:28s} {time.process_time() - start:6.1f} s")
+        with open(args.file, "wb") as f:
+            pickle.dump(saved, f)
+        return
+    with open(args.file, "rb") as f:
+        saved = pickle.load(f)
+    total = wrong = 0
+    for name, model in models.items():
+        for (want, want_sims), (have, have_sims) in zip(saved[name], _planned(model)):
+            total += 1 + len(want_sims)
+            bad = (want != have) + sum(want_sims.get(key) != sims for key, sims in have_sims.items())
+            bad += len(set(want_sims) ^ set(have_sims))
+            wrong += bad
+            print(f"{name:28s} {len(have_sims):4d} simulations  {bad} differ  {have[:70]}")
+    print(f"{total} proposals and simulations compared, {wrong} differ")
     sys.exit(1 if wrong else 0)
 
 
