@@ -322,12 +322,11 @@ def _copies_distinct(units: List[Unit]) -> bool:
 def _unit_memo(model: GraphModel) -> UnitMemo:
     """The memo of :func:`step_blocks`, with the forward pass's block and
     the seed's (the same in every plan)."""
-    seed = _BackwardPass(model)
-    fixed = [UnitBlock(forward_actions(model)), UnitBlock(seed.actions, tuple(seed.grads.latest.items()))]
-    return UnitMemo(max(_MIN_REMEMBERED_ACTIONS, _REMEMBERED_ACTIONS_PER_OP * len(model.ops)), fixed)
+    fixed = [UnitBlock(forward_actions(model)), UnitBlock(_BackwardPass(model).actions)]
+    return UnitMemo(max(MIN_REMEMBERED_ACTIONS, REMEMBERED_ACTIONS_PER_OP * len(model.ops)), fixed)
 
 
-_REMEMBERED_ACTIONS_PER_OP = 8
+REMEMBERED_ACTIONS_PER_OP = 8
 """The actions of the blocks :func:`step_blocks` remembers, per op of the
 model: a plan has about three actions per op, so this holds the blocks of
 two or three plans (the plan a search moves from and its neighbours'
@@ -335,7 +334,7 @@ new runs).  The memo then holds at most some 4 kB per op (the blocks'
 labels and rows, the buffer numbers, the states they start in): about
 40 MB on a graph of 10,000 ops."""
 
-_MIN_REMEMBERED_ACTIONS = 4096
+MIN_REMEMBERED_ACTIONS = 4096
 """The capacity of the memo of small graphs."""
 
 
@@ -382,13 +381,16 @@ class _BackwardPass:
             self.actions[start:] = ready_gradients_first(self.actions[start:end], self.actions[end:])
         return local
 
-    def run_unit(self, unit: Unit, token: int, memo: UnitMemo) -> int:
+    def run_unit(self, unit: Unit, token: int, memo: UnitMemo, made: Optional[Dict] = None) -> int:
         """Append ``unit``'s actions (:meth:`run`) to the block being made;
-        return the token of the advance units run so far (``token``: before)."""
+        return the token of the advance units run so far (``token``: before).
+        An advance unit's copies are added to ``made``, when given."""
         local = self.run(unit)
         if unit.kind is not UnitKind.ADVANCE:
             return token
         self.advance_copies.update(local.values())
+        if made is not None:
+            made.update(local)
         return memo.token(token, unit)
 
     def block(self, units: Tuple[Unit, ...], targets: Tuple[int, ...], token: int, memo: UnitMemo) -> UnitBlock:
@@ -402,15 +404,11 @@ class _BackwardPass:
         ends = []
         made: Dict = {}
         for unit in units:
-            local = self.run(unit)
-            if unit.kind is UnitKind.ADVANCE:
-                made.update(local)
-                self.advance_copies.update(local.values())
-                token = memo.token(token, unit)
+            token = self.run_unit(unit, token, memo, made)
             ends.append(len(self.actions) - 1)
         block = self.end_run(token)
         latest = self.grads.latest
-        block.gradients = tuple([(t, latest[t]) for t in targets if t in latest])
+        block.gradients = {t: latest[t] for t in targets if t in latest}
         block.sources, block.ends = made or None, tuple(ends)
         return block
 

@@ -48,10 +48,10 @@ Run = Tuple[Unit, ...]
 
 
 def runs(units: Sequence[Unit]) -> List[Run]:
-    """``units`` cut into runs: after each unit whose anchor hashes to a
-    multiple of :data:`RUN_UNITS` (so a run has that many units on
-    average, and where a run ends depends on its own units only), and after
-    ``4 * RUN_UNITS`` units without such an anchor.
+    """``units`` cut into runs: after each unit whose anchor's hash falls
+    in the lowest :data:`RUN_UNITS`-th of the hashes (so that a run has
+    that many units on average, and where it ends depends on its units
+    alone), and after ``4 * RUN_UNITS`` units without such an anchor.
 
     Examples
     --------
@@ -63,9 +63,9 @@ def runs(units: Sequence[Unit]) -> List[Run]:
     [5, 13, 18, 26, 34, 39]
     """
     found: List[Run] = []
-    start = 0
+    start, end = 0, (1 << 32) // RUN_UNITS
     for k, unit in enumerate(units):
-        if (unit.anchor * 2654435761) & 0xFFFFFFFF < _RUN_END or k - start == 4 * RUN_UNITS - 1:
+        if (unit.anchor * 2654435761) & 0xFFFFFFFF < end or k - start == 4 * RUN_UNITS - 1:
             found.append(tuple(units[start:k + 1]))
             start = k + 1
     if start < len(units):
@@ -76,8 +76,6 @@ def runs(units: Sequence[Unit]) -> List[Run]:
 RUN_UNITS = 8
 """The units of a run, on average."""
 
-_RUN_END = (1 << 32) // RUN_UNITS
-
 
 class UnitBlock:
     """The actions of a run of units of a plan's backward pass (or of the
@@ -86,11 +84,11 @@ class UnitBlock:
 
     __slots__ = ("actions", "gradients", "sources", "token", "ends", "labels", "recomputed_costs", "span")
 
-    def __init__(self, actions: List[Action], gradients: Tuple[Tuple[int, Key], ...] = (),
+    def __init__(self, actions: List[Action], gradients: Optional[Dict[int, Key]] = None,
                  sources: Optional[Dict] = None, token: int = 0, ends: Tuple[int, ...] = ()):
         self.actions: Optional[List[Action]] = actions
         """The actions, until their rows are stored (:meth:`UnitMemo.rows`)."""
-        self.gradients = gradients
+        self.gradients = gradients or {}
         """Each tensor the units add gradient to, with the buffer holding
         its gradient after them."""
         self.sources = sources

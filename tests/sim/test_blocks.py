@@ -126,7 +126,7 @@ def _neighbour_sequence(model: GraphModel, rng: random.Random, steps: int):
 def run_units(request, monkeypatch):
     """Runs of one unit, of three or of the usual length, on average: the
     shorter, the more of a plan's state passes from block to block."""
-    monkeypatch.setattr(blocks, "_RUN_END", (1 << 32) // request.param)
+    monkeypatch.setattr(blocks, "RUN_UNITS", request.param)
     return request.param
 
 
@@ -176,8 +176,8 @@ def test_options_replay_as_on_a_fresh_model():
 
 
 def test_a_small_memo_forgets_starts_over_and_still_replays_the_same(monkeypatch, run_units):
-    monkeypatch.setattr(actions, "_MIN_REMEMBERED_ACTIONS", 300)
-    monkeypatch.setattr(actions, "_REMEMBERED_ACTIONS_PER_OP", 1)
+    monkeypatch.setattr(actions, "MIN_REMEMBERED_ACTIONS", 300)
+    monkeypatch.setattr(actions, "REMEMBERED_ACTIONS_PER_OP", 1)
     model = _random_model(3, count=80)
     rng = random.Random(3)
     plans = _neighbour_sequence(model, rng, 40)
