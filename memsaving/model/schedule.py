@@ -282,6 +282,8 @@ def _segment_kind(inplace: bool, ops: tuple, anchor: int) -> UnitKind:
 _UNSEEN = object()
 
 _SEGMENT_OPS_PER_OP = 16
+"""Ops (and the kept ops where they stop) of the segments remembered, per
+op of the model."""
 
 
 def validate_inner(model: GraphModel, kept: Set[int], inner: Inner) -> None:

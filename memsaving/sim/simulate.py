@@ -194,7 +194,7 @@ def _replayed(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: 
     # the blocks of the units earlier plans ran in the same state, and their rows, are reused
     stepped = None if swapped or reordered or cost is not None else step_blocks(model, units)
     if stepped is None:
-        return _replayed_list(model, units, pinned, swapped, cost, reordered)
+        return _replayed_list(model, kept, units, pinned, swapped, cost, reordered)
     blocks, unit_ends = stepped
     timeline, peak = replay_rows(block_rows(model, blocks), pinned)
     labels = list(chain.from_iterable(map(attrgetter("labels"), blocks)))
@@ -212,13 +212,13 @@ def _replayed(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: 
     )
 
 
-def _replayed_list(model: GraphModel, units: List[Unit], pinned: Set[Key], swapped: FrozenSet[int],
-                   cost: Optional[CostModel], reordered: bool) -> Simulation:
+def _replayed_list(model: GraphModel, kept: Set[int], units: List[Unit], pinned: Set[Key],
+                   swapped: FrozenSet[int], cost: Optional[CostModel], reordered: bool) -> Simulation:
     """:func:`_replayed` on the whole list of actions, made for the plan
     alone: a plan that is timed (swaps, a cost model), whose actions are
     replayed in the executor's order, or that is not made of blocks
     (:func:`memsaving.sim.actions.step_blocks`)."""
-    actions, unit_ends = step_actions(model, set(), units)
+    actions, unit_ends = step_actions(model, kept, units)
     if reordered:
         actions, unit_ends = _median_executor_order(actions, unit_ends, pinned)
     step_seconds = timed_peak = None
