@@ -7,7 +7,10 @@ from the action that produces it to the last action that reads it, which is
 how TensorFlow's executor frees memory (reference counts), so the predicted
 peak is the largest sum of live buffers during any action, plus the memory
 resident before the step.  The actions come from :mod:`memsaving.sim.actions`,
-the buffer rules from :mod:`memsaving.model.buffers`.
+the buffer rules from :mod:`memsaving.model.buffers`.  The planners score
+long runs of neighbouring plans, so a plan is mostly replayed from blocks
+of actions that earlier plans of the model made (:mod:`memsaving.sim.blocks`),
+with the same result as from its own list.
 """
 
 from __future__ import annotations
