@@ -6,9 +6,10 @@ receives the closures through the plan), so what is predicted is what runs.
 
 from __future__ import annotations
 
+from collections import abc
 from dataclasses import dataclass
 from enum import Enum
-from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+from typing import AbstractSet, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from memsaving.model.graph import GraphModel
 
@@ -158,6 +159,8 @@ def backward_units(model: GraphModel, kept: Set[int], inner: Optional[Inner] = N
     use it, so that keeping and swapping every tensor recomputes nothing.
     """
     inner = inner or {}
+    if not isinstance(kept, abc.Set):
+        kept = set(kept)
     xs = set(model.xs)
     inner_ys = [
         model.tensors[y].producer for y in model.ys
@@ -209,9 +212,9 @@ class _Segment:
     every op of ``boundary``, the closure follows the same edges and stops
     at the same ops: it is the same segment."""
 
-    __slots__ = ("anchor", "ops", "inside", "boundary", "units")
+    __slots__ = ("anchor", "ops", "inside", "boundary", "segment", "inplace")
 
-    def __init__(self, anchor: int, kept: Set[int], feeders: List[Tuple[int, ...]]):
+    def __init__(self, anchor: int, kept: AbstractSet[int], feeders: List[Tuple[int, ...]]):
         # the traversal of _closure from the anchor, noting where it stops
         found, boundary, stack = {anchor}, [], [anchor]
         while stack:
@@ -223,20 +226,25 @@ class _Segment:
                     stack.append(producer)
         self.anchor, self.ops = anchor, tuple(sorted(found))
         found.discard(anchor)
-        self.inside, self.boundary = found, frozenset(boundary)
-        self.units: Dict[UnitKind, Unit] = {}
-        """Its unit of each kind, made once (the same objects, plan after plan)."""
+        self.inside, self.boundary = found, boundary
+        self.segment: Optional[Unit] = None
+        """Its segment unit, made once (the same object, plan after plan)."""
+        self.inplace: Optional[Unit] = None
+        """Its inplace unit, made once."""
 
-    def fits(self, kept: Set[int]) -> bool:
+    def fits(self, kept: AbstractSet[int]) -> bool:
         """Whether it is the anchor's segment when ``kept`` ops are kept."""
-        return self.inside.isdisjoint(kept) and self.boundary.issubset(kept)
+        return kept.isdisjoint(self.inside) and kept.issuperset(self.boundary)
 
     def unit(self, kind: UnitKind) -> Unit:
         """The unit of ``kind`` (segment or inplace) on these ops."""
-        found = self.units.get(kind)
-        if found is None:
-            found = self.units[kind] = Unit(kind, self.anchor, self.ops)
-        return found
+        if kind is UnitKind.SEGMENT:
+            if self.segment is None:
+                self.segment = Unit(kind, self.anchor, self.ops)
+            return self.segment
+        if self.inplace is None:
+            self.inplace = Unit(kind, self.anchor, self.ops)
+        return self.inplace
 
 
 class _Segments:

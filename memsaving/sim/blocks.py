@@ -109,9 +109,10 @@ class UnitBlock:
 class _Entry:
     """A run's blocks, by the state the run starts in."""
 
-    __slots__ = ("tensors", "targets", "blocks", "size", "used")
+    __slots__ = ("run", "tensors", "targets", "blocks", "size", "used")
 
-    def __init__(self, tensors: Tuple[int, ...], targets: Tuple[int, ...], used: int):
+    def __init__(self, run: Run, tensors: Tuple[int, ...], targets: Tuple[int, ...], used: int):
+        self.run = run
         self.tensors = tensors
         """The tensors whose gradient buffers the run reads or adds to."""
         self.targets = targets
@@ -140,8 +141,10 @@ class UnitMemo:
 
     def start_over(self) -> None:
         """Forget every run's blocks and every row."""
-        self.entries: Dict[Run, Union[_Entry, int]] = {}
-        """Each run's entry, or the plan it was seen in when seen once."""
+        self.entries: Dict[int, Union[_Entry, int]] = {}
+        """Each run's entry, or the plan it was seen in when seen once, by
+        the hash of the run's ops (so that a run seen once keeps no
+        objects; an entry checks that it is the run's)."""
         self.size = 0
         """The actions of the entries' blocks, and one per block and one per run."""
         self.tokens: Dict[Tuple[int, Unit], int] = {}
@@ -166,19 +169,23 @@ class UnitMemo:
 
     def entry(self, run: Run, tensors: Callable[[Run], Tuple[Tuple[int, ...], Tuple[int, ...]]]) -> Optional[_Entry]:
         """``run``'s entry; None the first time the run is seen (it is
-        remembered as seen).  The entry is made with ``tensors(run)`` (its
-        tensors and targets, see :class:`_Entry`)."""
-        entry = self.entries.get(run)
+        remembered as seen), and when another run with the same hash has
+        the entry.  The entry is made with ``tensors(run)`` (its tensors
+        and targets, see :class:`_Entry`)."""
+        key = hash(tuple(map(_OPS, run)))  # without the units' own hashes, written in Python
+        entry = self.entries.get(key)
         if entry.__class__ is _Entry:
+            if entry.run != run:
+                return None
             entry.used = self.clock
             return entry
         if entry is None:
-            self.entries[run] = self.clock
+            self.entries[key] = self.clock
             self.size += 1
             if self.size > self.capacity:
                 self._forget()
             return None
-        entry = self.entries[run] = _Entry(*tensors(run), self.clock)  # counted one, as when seen once
+        entry = self.entries[key] = _Entry(run, *tensors(run), self.clock)  # counted one, as when seen once
         return entry
 
     def store(self, entry: _Entry, state: tuple, block: UnitBlock) -> None:
@@ -205,10 +212,10 @@ class UnitMemo:
             return 1 if value.__class__ is int else value.size
 
         excess = self.size - self.capacity // 2
-        for run, value in sorted(self.entries.items(), key=lambda item: used(item[1])):
+        for key, value in sorted(self.entries.items(), key=lambda item: used(item[1])):
             if excess <= 0 or used(value) == self.clock:
                 break
-            del self.entries[run]
+            del self.entries[key]
             excess -= size(value)
         self.size = sum(map(size, self.entries.values()))
 
@@ -230,6 +237,8 @@ class UnitMemo:
                     block.actions = None
         return self.row_store.rows(blocks)
 
+
+_OPS = attrgetter("ops")
 
 _STATES_PER_RUN = 4
 """Blocks remembered per run (the states it was reached in): the plans of
