@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain, compress, count as itertools_count, repeat
 from operator import attrgetter, is_, itemgetter
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -107,14 +107,16 @@ def donations(actions: Sequence[Action], last_read: Dict[Key, int], pinned: Set[
 class BufferRows:
     """The reads and writes of a list of actions as rows of arrays: for each
     read, the action and the buffer's number; for each write, the action,
-    the buffer's number and its bytes.  The buffer rules then run over
-    arrays, not action by action (a replay has thousands of actions).
-    Rows follow the list: actions in order, each one's reads (or writes)
-    in its order.
+    the buffer's number and its bytes; for each action, whether it writes
+    in place and its temporary.  The buffer rules then run over arrays, not
+    action by action (a replay has thousands of actions).  Rows follow the
+    list: actions in order, each one's reads (or writes) in its order.
 
     ``prefix``: the rows of actions the list starts with (the same objects,
     as a plan's forward pass in every replay of a model), numbered once
     and reused; ignored when the list does not start with them.
+    :meth:`packed` makes the rows of a list from rows numbered once for
+    many lists instead (:class:`RowBlock`).
 
     Examples
     --------
@@ -125,38 +127,49 @@ class BufferRows:
     """
 
     def __init__(self, actions: Sequence[Action], prefix: Optional["BufferRows"] = None):
-        self.actions = actions
+        self.actions: Optional[Sequence[Action]] = actions
+        """The actions (None in :meth:`packed` rows)."""
+        self.count = len(actions)
         if prefix is not None and not _starts_with(actions, prefix.actions):
             prefix = None
-        known = len(prefix.actions) if prefix is not None else 0
-        rest = actions[known:]
-        read_lists = list(map(attrgetter("reads"), rest))
-        write_lists = list(map(attrgetter("writes"), rest))
-        writes = list(chain.from_iterable(write_lists))
-        reads: List[Key] = list(chain.from_iterable(read_lists))
-        write_keys: List[Key] = list(map(itemgetter(0), writes))
+        known = prefix.count if prefix is not None else 0
         # a key's number: the row of its first write or read (numbers have gaps)
         self.number: Dict[Key, int] = dict(prefix.number) if prefix is not None else {}
         first = prefix.numbers if prefix is not None else 0
-        rows = itertools_count(first)
-        self.numbers = first + len(writes) + len(reads)
-        parts = {
-            "write_id": np.fromiter(map(self.number.setdefault, write_keys, rows), np.intp, len(writes)),
-            "read_id": np.fromiter(map(self.number.setdefault, reads, rows), np.intp, len(reads)),
-            "write_action": np.repeat(np.arange(known, len(actions)),
-                                      np.fromiter(map(len, write_lists), np.intp, len(rest))),
-            "read_action": np.repeat(np.arange(known, len(actions)),
-                                     np.fromiter(map(len, read_lists), np.intp, len(rest))),
-            "write_bytes": np.fromiter(map(itemgetter(1), writes), np.int64, len(writes)),
-            "forwards": np.fromiter(map(attrgetter("forwards_buffers"), rest), bool, len(rest)),
-        }
+        rows = _Rows(actions[known:], self.number, first, known)
+        self.numbers = first + rows.numbered
+        reads, write_keys = rows.reads, rows.write_keys
         if prefix is not None:
-            parts = {name: np.concatenate([getattr(prefix, name), part]) for name, part in parts.items()}
+            for name in _ROW_ARRAYS:
+                setattr(rows, name, np.concatenate([getattr(prefix, name), getattr(rows, name)]))
             reads, write_keys = prefix.reads + reads, prefix.write_keys + write_keys
-        self.reads, self.write_keys = reads, write_keys
-        self.write_id, self.read_id = parts["write_id"], parts["read_id"]
-        self.write_action, self.read_action = parts["write_action"], parts["read_action"]
-        self.write_bytes, self.forwards = parts["write_bytes"], parts["forwards"]
+        self.reads: Optional[List[Key]] = reads
+        """Each read row's key (None in :meth:`packed` rows)."""
+        self.write_keys: Optional[List[Key]] = write_keys
+        """Each write row's key (None in :meth:`packed` rows)."""
+        self.write_id, self.read_id = rows.write_id, rows.read_id
+        self.write_action, self.read_action = rows.write_action, rows.read_action
+        self.write_bytes, self.forwards = rows.write_bytes, rows.forwards
+        self.temp = rows.temp
+        """Per action, its temporary (:attr:`Action.temp`)."""
+        self.result_write = rows.result_write
+        """Per write row, whether its key is one of the action's :attr:`Action.results`."""
+
+    @classmethod
+    def packed(cls, reads: np.ndarray, writes: np.ndarray, acts: np.ndarray, numbers: "KeyNumbers") -> "BufferRows":
+        """The rows of a list of actions from their packed arrays (see
+        :attr:`RowBlock.packed`; actions numbered in the list), its buffers
+        numbered by ``numbers``.  The result has no :attr:`actions`,
+        :attr:`reads` or :attr:`write_keys`: the replay
+        (:func:`replay_rows`) needs none of them."""
+        rows = cls.__new__(cls)
+        rows.actions = rows.reads = rows.write_keys = None
+        rows.number, rows.numbers = numbers, numbers.bound
+        rows.count = acts.shape[1]
+        rows.read_id, rows.read_action = reads[0], reads[1]
+        rows.write_id, rows.write_action, rows.write_bytes = writes[0], writes[1], writes[2]
+        rows.result_write, rows.forwards, rows.temp = writes[3].astype(bool), acts[0].astype(bool), acts[1]
+        return rows
 
     def last_reads(self) -> np.ndarray:
         """Per buffer, the index of the last action reading it (-1: none)."""
@@ -208,25 +221,143 @@ class BufferRows:
         _, first = np.unique(pair, return_index=True)  # each buffer once, at its first read
         first.sort()
         offered, pair = offered[first], pair[first]
-        offered = offered[~_among(pair, self.write_action * self.numbers + self.write_id)]  # rewritten in place
-        offering = np.zeros(len(self.actions), bool)
+        offering = np.zeros(self.count, bool)
+        offering[read_action[offered]] = True
+        writing = offering[self.write_action]  # the writes of the actions that offer
+        rewritten = self.write_action[writing] * self.numbers + self.write_id[writing]
+        offered = offered[~_among(pair, rewritten)]  # rewritten in place
+        offering[:] = False
         offering[read_action[offered]] = True
         takers = np.flatnonzero((self.write_bytes > 0) & offering[self.write_action])
-        offered_size = sizes[read_id[offered]]
-        taken_size = self.write_bytes[takers]
-        # pair rows by (action, size, rank among the action's rows of that size)
-        size_code = np.unique(np.concatenate([offered_size, taken_size]), return_inverse=True)[1].reshape(-1)
-        offered_key = (read_action[offered], size_code[:len(offered)])
-        taken_key = (self.write_action[takers], size_code[len(offered):])
-        offered_key += (_ranks(*offered_key),)
-        taken_key += (_ranks(*taken_key),)
-        bounds = [int(max(np.max(a, initial=0), np.max(b, initial=0))) + 1 for a, b in zip(offered_key, taken_key)]
-        _, by_offer, by_write = np.intersect1d(np.ravel_multi_index(offered_key, bounds),
-                                               np.ravel_multi_index(taken_key, bounds),
-                                               assume_unique=True, return_indices=True)
-        order = np.argsort(takers[by_write])
-        writes = takers[by_write][order]
-        return self.write_action[writes], writes, offered[by_offer][order]
+        # pair rows by (action, size, rank among the action's rows of that size):
+        # the k-th taker of a group takes the k-th offered buffer of it
+        offered_group, taker_group = _size_groups(read_action[offered], sizes[read_id[offered]],
+                                                  self.write_action[takers], self.write_bytes[takers])
+        by_offer = np.argsort(offered_group, kind="stable")
+        by_taker = np.argsort(taker_group, kind="stable")
+        offered_group, taker_group = offered_group[by_offer], taker_group[by_taker]
+        first_offer = np.searchsorted(offered_group, taker_group, "left")
+        offers = np.searchsorted(offered_group, taker_group, "right") - first_offer
+        rank = _ranks_in_runs(taker_group)
+        paired = rank < offers
+        writes = takers[by_taker[paired]]
+        donors = offered[by_offer[first_offer[paired] + rank[paired]]]
+        order = np.argsort(writes)
+        return self.write_action[writes[order]], writes[order], donors[order]
+
+
+def _size_groups(offered_action: np.ndarray, offered_size: np.ndarray, taker_action: np.ndarray,
+                 taker_size: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """One number per (action, size) for the offered buffers and the
+    takers (the same for both when action and size are)."""
+    span = int(max(np.max(offered_size, initial=0), np.max(taker_size, initial=0))) + 1
+    actions = int(max(np.max(offered_action, initial=0), np.max(taker_action, initial=0))) + 1
+    if actions * span >= 1 << 62:  # sizes too large to number by: number the sizes instead
+        codes = np.unique(np.concatenate([offered_size, taker_size]), return_inverse=True)[1].reshape(-1)
+        offered_size, taker_size, span = codes[:len(offered_size)], codes[len(offered_size):], len(codes) + 1
+    return offered_action * span + offered_size, taker_action * span + taker_size
+
+
+def _ranks_in_runs(values: np.ndarray) -> np.ndarray:
+    """Each entry's rank among the equal entries before it (``values`` sorted)."""
+    position = np.arange(len(values))
+    starts = np.ones(len(values), bool)
+    starts[1:] = values[1:] != values[:-1]
+    return position - np.maximum.accumulate(np.where(starts, position, 0)) if len(values) else position
+
+
+_ROW_ARRAYS = ("write_id", "read_id", "write_action", "read_action", "write_bytes", "forwards", "temp",
+               "result_write")
+"""The arrays of :class:`BufferRows` that a list's rows join from its prefix's and the rest's."""
+
+
+class _Rows:
+    """The row arrays of a run of actions (see :class:`BufferRows`), the
+    actions numbered from ``first_action``, each new key of the rows
+    numbered in ``number`` from ``first``: by its row, or (``dense``) one
+    after the other; :attr:`numbered` counts the numbers given."""
+
+    def __init__(self, actions: Sequence[Action], number: Dict[Key, int], first: int, first_action: int,
+                 dense: bool = False):
+        read_lists = list(map(attrgetter("reads"), actions))
+        write_lists = list(map(attrgetter("writes"), actions))
+        writes = list(chain.from_iterable(write_lists))
+        self.reads: List[Key] = list(chain.from_iterable(read_lists))
+        self.write_keys: List[Key] = list(map(itemgetter(0), writes))
+        if dense:
+            new = [key for key in chain(self.write_keys, self.reads) if key not in number]
+            number.update(zip(new, itertools_count(first)))  # a key listed twice leaves a gap
+            self.numbered = len(new)
+            self.write_id = np.fromiter(map(number.__getitem__, self.write_keys), np.intp, len(writes))
+            self.read_id = np.fromiter(map(number.__getitem__, self.reads), np.intp, len(self.reads))
+        else:
+            rows = itertools_count(first)
+            self.numbered = len(writes) + len(self.reads)
+            self.write_id = np.fromiter(map(number.setdefault, self.write_keys, rows), np.intp, len(writes))
+            self.read_id = np.fromiter(map(number.setdefault, self.reads, rows), np.intp, len(self.reads))
+        self.read_counts = np.fromiter(map(len, read_lists), np.intp, len(actions))
+        self.write_counts = np.fromiter(map(len, write_lists), np.intp, len(actions))
+        indices = np.arange(first_action, first_action + len(actions))
+        self.write_action = np.repeat(indices, self.write_counts)
+        self.read_action = np.repeat(indices, self.read_counts)
+        self.write_bytes = np.fromiter(map(itemgetter(1), writes), np.int64, len(writes))
+        self.forwards = np.fromiter(map(attrgetter("forwards_buffers"), actions), bool, len(actions))
+        self.temp = np.fromiter(map(attrgetter("temp"), actions), np.int64, len(actions))
+        self.result_write = np.zeros(len(writes), bool)
+        with_results = list(compress(range(len(actions)), map(attrgetter("results"), actions)))
+        if with_results:
+            starts = (np.cumsum(self.write_counts) - self.write_counts).tolist()
+            self.result_write[[starts[i] + k for i in with_results
+                               for k, (key, _) in enumerate(actions[i].writes) if key in actions[i].results]] = True
+
+
+class KeyNumbers(dict):
+    """Buffer numbers shared by the row blocks of many lists of actions
+    (:class:`RowBlock`): a key keeps the number the first block that has
+    it gave it (the next one free, so that a replay's arrays by buffer
+    stay short), and every number is below :attr:`bound`.  The table
+    grows with each block made: its owner starts a new one (and new
+    blocks) when :attr:`bound` is too large."""
+
+    def __init__(self):
+        super().__init__()
+        self.bound = 0
+
+
+class RowBlock:
+    """The rows of a run of actions (the arrays of :class:`BufferRows`,
+    actions numbered from 0), numbered by a table shared with other runs
+    (:class:`KeyNumbers`), packed by what they count: rows made once, for
+    a run of actions many lists have, are gathered into the rows of any of
+    those lists (:meth:`BufferRows.packed`) without numbering their keys
+    again.
+
+    Examples
+    --------
+    >>> numbers = KeyNumbers()
+    >>> a = RowBlock([Action("a", [], [(("f", 0), 4)])], numbers)
+    >>> b = RowBlock([Action("b", [("f", 0)], [(("f", 1), 4)]), Action("c", [("f", 1)], [])], numbers)
+    >>> b.packed[0][1] += 1; b.packed[1][1] += 1  # b's actions come after a's
+    >>> rows = BufferRows.packed(*(np.concatenate(parts, axis=1) for parts in zip(a.packed, b.packed)), numbers)
+    >>> rows.read_action.tolist(), rows.write_action.tolist(), rows.last_reads()[rows.write_id].tolist()
+    ([1, 2], [0, 1], [1, 2])
+    """
+
+    __slots__ = ("packed", "read_starts", "write_starts")
+
+    def __init__(self, actions: Sequence[Action], numbers: KeyNumbers):
+        rows = _Rows(actions, numbers, numbers.bound, 0, dense=True)
+        numbers.bound += rows.numbered
+        self.packed = (np.stack([rows.read_id, rows.read_action]),
+                       np.stack([rows.write_id, rows.write_action, rows.write_bytes, rows.result_write]),
+                       np.stack([rows.forwards, rows.temp]))
+        """The arrays of the rows, by what they count: reads (buffer,
+        action), writes (buffer, action, bytes, result), actions (in place,
+        temporary); all int64."""
+        self.read_starts = np.concatenate([[0], np.cumsum(rows.read_counts)])
+        """Per action, its first read row (and the count of reads last)."""
+        self.write_starts = np.concatenate([[0], np.cumsum(rows.write_counts)])
+        """Per action, its first write row (and the count of writes last)."""
 
 
 def _starts_with(actions: Sequence[Action], prefix: Sequence[Action]) -> bool:
@@ -242,20 +373,6 @@ def _among(values: np.ndarray, candidates: np.ndarray) -> np.ndarray:
     if not len(candidates):
         return np.zeros(len(values), bool)
     return candidates[np.minimum(found, len(candidates) - 1)] == values
-
-
-def _ranks(groups: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Each row's rank among the earlier rows of the same group and size."""
-    if not len(groups):
-        return np.zeros(0, np.intp)
-    order = np.lexsort((sizes, groups))  # stable: equal rows keep their order
-    group, size = groups[order], sizes[order]
-    starts = np.ones(len(order), bool)
-    starts[1:] = (group[1:] != group[:-1]) | (size[1:] != size[:-1])
-    position = np.arange(len(order))
-    rank = np.empty(len(order), np.intp)
-    rank[order] = position - np.maximum.accumulate(np.where(starts, position, 0))
-    return rank
 
 
 def consumed_at_once(key: Key, action: Action, i: int, last_read: Dict[Key, int], pinned: Set[Key]) -> bool:
@@ -286,7 +403,12 @@ def memory_replay(actions: List[Action], pinned: Set[Key],
     """
     if not actions:
         return [], 0
-    buffers = BufferRows(actions, prefix)
+    return replay_rows(BufferRows(actions, prefix), pinned)
+
+
+def replay_rows(buffers: BufferRows, pinned: Set[Key]) -> Tuple[List[int], int]:
+    """:func:`memory_replay` of the list of actions ``buffers`` holds the
+    rows of (at least one action)."""
     return _Changes(buffers, pinned).totals()
 
 
@@ -298,8 +420,10 @@ class _Changes:
     (``consumed``)."""
 
     def __init__(self, buffers: BufferRows, pinned: Set[Key]):
-        count = len(buffers.actions)
-        self.buffers, self.pinned = buffers, pinned
+        count = buffers.count
+        self.buffers = buffers
+        self.pinned = buffers.mask(pinned)
+        """Per buffer, whether it is pinned."""
         self.last = buffers.last_reads()
         self.allocated = np.zeros(count, np.int64)
         self.freed = np.zeros(count, np.int64)
@@ -317,34 +441,17 @@ class _Changes:
         for rows_of_key in _groups(buffers.write_id, np.flatnonzero(~once)):
             self._follow(rows_of_key, rows, taker)
 
-    def _consumed_rows(self) -> List[int]:
-        """The write rows of results consumed at once; ``consumed`` gets
-        each action's largest."""
-        buffers, found = self.buffers, []
-        with_results = list(compress(range(len(buffers.actions)), map(attrgetter("results"), buffers.actions)))
-        if not with_results:
-            return found
-        start = np.concatenate([[0], np.cumsum(np.bincount(buffers.write_action, minlength=len(buffers.actions)))])
-        last_read = self._last_reads(chain.from_iterable(buffers.actions[i].results for i in with_results))
-        for i in with_results:
-            action = buffers.actions[i]
-            consumed: Dict[Key, int] = {}
-            for key, nbytes in action.writes:
-                if consumed_at_once(key, action, i, last_read, self.pinned):
-                    consumed[key] = nbytes
-            if consumed:
-                self.consumed[i] = max(consumed.values())
-                first = int(start[i])
-                found += [first + k for k, (key, _) in enumerate(action.writes) if key in consumed]
-        return found
-
-    def _last_reads(self, keys: Iterable[Key]) -> Dict[Key, int]:
-        """The last reader of each of ``keys`` that is read (a dict, as
-        :func:`consumed_at_once` takes)."""
-        number = self.buffers.number
-        keys = [key for key in keys if key in number]
-        readers = self.last[[number[key] for key in keys]].tolist()
-        return {key: reader for key, reader in zip(keys, readers) if reader >= 0}
+    def _consumed_rows(self) -> np.ndarray:
+        """The write rows of results consumed at once (the rule of
+        :func:`consumed_at_once`: a result the action writes, not pinned,
+        read by no later action); ``consumed`` gets each action's largest."""
+        buffers = self.buffers
+        rows = np.flatnonzero(buffers.result_write)
+        ids, actions = buffers.write_id[rows], buffers.write_action[rows]
+        at_once = ~self.pinned[ids] & (self.last[ids] <= actions)
+        rows = rows[at_once]
+        np.maximum.at(self.consumed, actions[at_once], buffers.write_bytes[rows])
+        return rows
 
     def _add_written_once(self, rows: np.ndarray, taker: np.ndarray) -> None:
         """Buffers written once (``rows``: their allocating writes): their
@@ -353,7 +460,7 @@ class _Changes:
         buffers = self.buffers
         ids, actions, nbytes = buffers.write_id[rows], buffers.write_action[rows], buffers.write_bytes[rows]
         np.add.at(self.allocated, actions, nbytes)
-        dying = ~buffers.mask(self.pinned)[ids]
+        dying = ~self.pinned[ids]
         ids, actions, nbytes = ids[dying], actions[dying], nbytes[dying]
         handed = taker[ids] > actions
         np.add.at(self.allocated, taker[ids[handed]], -nbytes[handed])
@@ -367,7 +474,7 @@ class _Changes:
         last reads take them off."""
         buffers = self.buffers
         key_id = int(buffers.write_id[rows[0]])
-        pinned = buffers.write_keys[int(rows[0])] in self.pinned
+        pinned = bool(self.pinned[key_id])
         events = []  # (action, phase: 0 writes and hand-overs / 1 frees, row, bytes written or None)
         for row in rows.tolist():
             i = int(buffers.write_action[row])
@@ -395,8 +502,7 @@ class _Changes:
         its temporary)."""
         in_use = np.cumsum(self.allocated - self.freed)
         before = np.concatenate([[0], in_use[:-1]])
-        temp = np.fromiter(map(attrgetter("temp"), self.buffers.actions), np.int64, len(in_use))
-        peak = max(0, int((before + self.consumed).max()), int((before + self.allocated + temp).max()))
+        peak = max(0, int((before + self.consumed).max()), int((before + self.allocated + self.buffers.temp).max()))
         return in_use.tolist(), peak
 
 

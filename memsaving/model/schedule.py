@@ -6,9 +6,10 @@ receives the closures through the plan), so what is predicted is what runs.
 
 from __future__ import annotations
 
+from collections import abc
 from dataclasses import dataclass
 from enum import Enum
-from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+from typing import AbstractSet, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from memsaving.model.graph import GraphModel
 
@@ -158,6 +159,8 @@ def backward_units(model: GraphModel, kept: Set[int], inner: Optional[Inner] = N
     use it, so that keeping and swapping every tensor recomputes nothing.
     """
     inner = inner or {}
+    if not isinstance(kept, abc.Set):
+        kept = set(kept)
     xs = set(model.xs)
     inner_ys = [
         model.tensors[y].producer for y in model.ys
@@ -167,39 +170,128 @@ def backward_units(model: GraphModel, kept: Set[int], inner: Optional[Inner] = N
     ]
     feeders = model.derived("forward feeders", lambda: _forward_feeders(model))
     passes = model.derived("pass units", dict)  # the same in every plan
+    segments = model.derived("segments", lambda: _Segments(len(model.ops)))
     units = []
     if inner_ys:
         units.append(Unit(UnitKind.OUTPUT, -1, _closure(feeders, inner_ys, kept)))
+    ops = model.ops
     for i in sorted(kept, reverse=True):
-        op = model.ops[i]
-        if op.copyable:
-            units.extend(_segment_units(model, i, kept, inner, inplace, feeders))
-        else:
+        if not ops[i].copyable:
             if i not in passes:
                 passes[i] = Unit(UnitKind.PASS, i, (i,))
             units.append(passes[i])
+        elif inner.get(i):
+            units.extend(_segment_units(i, kept, inner, inplace, feeders, segments))
+        else:
+            units.append(segments.unit(i, kept, inplace, feeders))
     return units
 
 
-def _segment_units(model: GraphModel, anchor: int, kept: Set[int], inner: Inner,
-                   inplace: bool, feeders: List[Tuple[int, ...]]) -> List[Unit]:
+def _segment_units(anchor: int, kept: Set[int], inner: Inner, inplace: bool, feeders: List[Tuple[int, ...]],
+                   segments: "_Segments") -> List[Unit]:
     """The units of ``anchor``'s segment: the segment, or with inner
     checkpoints the advance unit and the sub-segments (``feeders``: the
-    table :func:`closure` follows)."""
+    table :func:`closure` follows; ``segments``: the model's remembered
+    segments)."""
     if not inner.get(anchor):
-        ops = _closure(feeders, [anchor], kept)
-        if inplace and ops == (anchor,):
-            # every input is kept: differentiate the op where it is, reading
-            # its kept outputs, rather than recompute them
-            return [Unit(UnitKind.INPLACE, anchor, ops)]
-        return [Unit(UnitKind.SEGMENT, anchor, ops)]
+        return [segments.unit(anchor, kept, inplace, feeders)]
     inside = tuple(sorted(inner[anchor]))
     deeper = kept | set(inside)
     units = [Unit(UnitKind.ADVANCE, anchor, _closure(feeders, inside, kept)),
              Unit(UnitKind.SEGMENT, anchor, _closure(feeders, [anchor], deeper))]
     for sub in reversed(inside):
-        units.extend(_segment_units(model, sub, deeper, inner, False, feeders))
+        units.extend(_segment_units(sub, deeper, inner, False, feeders, segments))
     return units
+
+
+class _Segment:
+    """An anchor's segment (:func:`closure` from the anchor) for some kept
+    set, and what decides whether it is the segment for another: the ops
+    it recomputes besides the anchor (``inside``) and the kept ops feeding
+    them (``boundary``).  For a kept set that has no op of ``inside`` and
+    every op of ``boundary``, the closure follows the same edges and stops
+    at the same ops: it is the same segment."""
+
+    __slots__ = ("anchor", "ops", "inside", "boundary", "segment", "inplace")
+
+    def __init__(self, anchor: int, kept: AbstractSet[int], feeders: List[Tuple[int, ...]]):
+        # the traversal of _closure from the anchor, noting where it stops
+        found, boundary, stack = {anchor}, [], [anchor]
+        while stack:
+            for producer in feeders[stack.pop()]:
+                if producer in kept:
+                    boundary.append(producer)
+                elif producer not in found:
+                    found.add(producer)
+                    stack.append(producer)
+        self.anchor, self.ops = anchor, tuple(sorted(found))
+        found.discard(anchor)
+        self.inside, self.boundary = found, boundary
+        self.segment: Optional[Unit] = None
+        """Its segment unit, made once (the same object, plan after plan)."""
+        self.inplace: Optional[Unit] = None
+        """Its inplace unit, made once."""
+
+    def fits(self, kept: AbstractSet[int]) -> bool:
+        """Whether it is the anchor's segment when ``kept`` ops are kept."""
+        return kept.isdisjoint(self.inside) and kept.issuperset(self.boundary)
+
+    def unit(self, kind: UnitKind) -> Unit:
+        """The unit of ``kind`` (segment or inplace) on these ops."""
+        if kind is UnitKind.SEGMENT:
+            if self.segment is None:
+                self.segment = Unit(kind, self.anchor, self.ops)
+            return self.segment
+        if self.inplace is None:
+            self.inplace = Unit(kind, self.anchor, self.ops)
+        return self.inplace
+
+
+class _Segments:
+    """Each anchor's last segment (:class:`_Segment`), so that the plans
+    that keep the same ops around an anchor (the neighbours a planner
+    tries one after the other) follow its closure once and have the same
+    unit.  An anchor seen once gets none (the first plans of a search
+    share few segments).  At most about :data:`_SEGMENT_OPS_PER_OP` ops of
+    segments per op of the model are kept: past that, all are forgotten."""
+
+    def __init__(self, op_count: int):
+        self.limit = _SEGMENT_OPS_PER_OP * max(op_count, 1)
+        self.found: Dict[int, Optional[_Segment]] = {}
+        """Each anchor's last segment, or None when seen once."""
+        self.size = 0
+
+    def unit(self, anchor: int, kept: Set[int], inplace: bool, feeders: List[Tuple[int, ...]]) -> Unit:
+        """``anchor``'s unit when ``kept`` ops are kept: an inplace unit when
+        ``inplace`` and every input is kept, else a segment."""
+        segment = self.found.get(anchor, _UNSEEN)
+        if segment is _UNSEEN:
+            self.found[anchor] = None
+            ops = _closure(feeders, [anchor], kept)
+            return Unit(_segment_kind(inplace, ops, anchor), anchor, ops)
+        if segment is None or not segment.fits(kept):
+            if segment is not None:
+                self.size -= len(segment.ops) + len(segment.boundary)
+            if self.size > self.limit:
+                self.found.clear()
+                self.size = 0
+            segment = self.found[anchor] = _Segment(anchor, kept, feeders)
+            self.size += len(segment.ops) + len(segment.boundary)
+        return segment.unit(_segment_kind(inplace, segment.ops, anchor))
+
+
+def _segment_kind(inplace: bool, ops: tuple, anchor: int) -> UnitKind:
+    """Inplace when asked for and every input of the anchor is kept (it is
+    differentiated where it is, reading its kept outputs, rather than
+    recomputed), else a segment."""
+    return UnitKind.INPLACE if inplace and ops == (anchor,) else UnitKind.SEGMENT
+
+
+_UNSEEN = object()
+
+_SEGMENT_OPS_PER_OP = 16
+"""Ops (and the kept ops where they stop) of the segments remembered, per
+op of the model."""
 
 
 def validate_inner(model: GraphModel, kept: Set[int], inner: Inner) -> None:

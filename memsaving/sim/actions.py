@@ -9,11 +9,14 @@ them to find what a plan keeps between the passes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Container, Dict, FrozenSet, Iterable, List, Sequence, Set, Tuple
+from itertools import chain
+from operator import attrgetter
+from typing import Any, Callable, Container, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
 
-from memsaving.model.buffers import Action, Key, on_buffers, with_reads
+from memsaving.model.buffers import Action, BufferRows, Key, on_buffers, with_reads
 from memsaving.model.graph import BACKWARD_COST_FACTOR, GraphModel, OpInfo, gradient_sinks, receives_gradient
 from memsaving.model.schedule import RECOMPUTING, Unit, UnitKind, recomputes_anchor
+from memsaving.sim.blocks import UnitBlock, UnitMemo, runs
 
 
 def op_action(op: OpInfo, label: str, reads: List[Key], writes: List[Tuple[Key, int]], backward: bool = False,
@@ -174,6 +177,11 @@ class _OpKernels:
     """A segment recomputes the op even when it anchors it (:func:`recomputes_anchor`)."""
     reads_views: bool
     """Some input is a view (:func:`_pin_view_bases` looks at its copies)."""
+    targets: Tuple[int, ...]
+    """The tensors its gradient kernels add gradient to."""
+    gradient_tensors: Tuple[int, ...]
+    """The outputs and the targets: the tensors whose gradient buffers its
+    gradient reads or adds to."""
 
 
 def _op_kernels(model: GraphModel) -> List[_OpKernels]:
@@ -210,7 +218,9 @@ def _op_kernels(model: GraphModel) -> List[_OpKernels]:
             saved_bytes=op.saved_bytes,
             kernels=tuple(kernels),
             recomputed_as_anchor=recomputes_anchor(op.type),
-            reads_views=any(t in views for t in inputs)))
+            reads_views=any(t in views for t in inputs),
+            targets=tuple(t for kernel in kernels for t in kernel.targets),
+            gradient_tensors=tuple(op.outputs) + tuple(t for kernel in kernels for t in kernel.targets)))
     return found
 
 
@@ -231,6 +241,103 @@ def step_actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[
     return forward + step.actions, unit_ends
 
 
+def step_blocks(model: GraphModel, units: List[Unit]) -> Optional[Tuple[List[UnitBlock], List[int]]]:
+    """The step of :func:`step_actions` in blocks of actions, and its unit
+    ends: the forward pass, the seed of the gradients, then the units'.
+
+    The units are cut into runs (:func:`memsaving.sim.blocks.runs`).  A run
+    that the plans of this model ran before has a block of its own,
+    remembered per model and reused by the plans that reach the run in the
+    same state (see :mod:`memsaving.sim.blocks`); the runs seen for the
+    first time share blocks made for this plan alone.  The blocks' actions
+    are only there until their rows are made (:func:`block_rows`).
+
+    None when the plan is better replayed as one list of actions
+    (:func:`step_actions`): when most of its runs were never seen (the
+    first plans of a search, which share little: making blocks for them
+    would cost more than it saves), and when two of its units copy with
+    the same tag and anchor (inner checkpoints shared by two segments: a
+    unit's views would pin the bases the other unit copies)."""
+    memo = model.derived("unit blocks", lambda: _unit_memo(model))
+    memo.begin()
+    step = _BackwardPass(model)
+    latest, tensors, store = step.grads.latest, step.tensors, memo.store
+    cut = runs(units)
+    entries = [memo.entry(run, tensors) for run in cut]
+    if 2 * entries.count(None) > len(entries):
+        return None
+    blocks = [memo.fixed[0], memo.fixed[1]]
+    unit_ends: List[int] = []
+    count = len(model.ops) + 1  # actions in the blocks so far: the forward pass and the seed
+    token = 0
+    running = False  # runs seen for the first time are being run into one block
+    for run, entry in zip(cut, entries):
+        if entry is None:
+            if not running:
+                step.begin_run()
+                running = True
+            for unit in run:
+                token = step.run_unit(unit, token, memo)
+                unit_ends.append(count + len(step.actions) - 1)
+            continue
+        if running:
+            blocks.append(step.end_run(token))
+            count += len(step.actions)
+            running = False
+        state = (token, *map(latest.get, entry.tensors))
+        block = entry.blocks.get(state)
+        if block is None:
+            block = step.block(run, entry.targets, token, memo)
+            store(entry, state, block)
+        else:
+            latest.update(block.gradients)
+            if block.sources is not None:
+                step.advance(block.sources)
+        token = block.token
+        blocks.append(block)
+        unit_ends.extend(map(count.__add__, block.ends))
+        count += len(block.labels)
+    if running:
+        blocks.append(step.end_run(token))
+    if token and not _copies_distinct(units):
+        return None
+    if not units or units[0].kind != UnitKind.OUTPUT:
+        unit_ends.insert(0, len(model.ops))  # the seed: the forward pass ends there
+    return blocks, unit_ends
+
+
+def block_rows(model: GraphModel, blocks: List[UnitBlock]) -> BufferRows:
+    """The rows of the list of actions ``blocks`` (from :func:`step_blocks`)
+    make up, with those of the blocks made for earlier plans reused
+    (:meth:`memsaving.sim.blocks.UnitMemo.rows`)."""
+    return model.derived("unit blocks", lambda: _unit_memo(model)).rows(blocks)
+
+
+def _copies_distinct(units: List[Unit]) -> bool:
+    """No two units copy with the same tag and anchor (:func:`step_blocks`)."""
+    copying = [(unit.kind, unit.anchor) for unit in units if unit.kind in RECOMPUTING]
+    return len(set(copying)) == len(copying)
+
+
+def _unit_memo(model: GraphModel) -> UnitMemo:
+    """The memo of :func:`step_blocks`, with the forward pass's block and
+    the seed's (the same in every plan)."""
+    fixed = [UnitBlock(forward_actions(model)), UnitBlock(_BackwardPass(model).actions)]
+    return UnitMemo(max(MIN_REMEMBERED_ACTIONS, REMEMBERED_ACTIONS_PER_OP * len(model.ops)), fixed)
+
+
+REMEMBERED_ACTIONS_PER_OP = 8
+"""The actions of the blocks :func:`step_blocks` remembers, per op of the
+model: a plan has about three actions per op, so this holds the blocks of
+two or three plans (the plan a search moves from and its neighbours'
+new runs).  The memo then holds at most some 4 kB per op (the blocks'
+labels and rows, the buffer numbers, the states they start in): about
+40 MB on a graph of 10,000 ops."""
+
+MIN_REMEMBERED_ACTIONS = 4096
+"""The capacity of the memo of small graphs."""
+
+
 class _BackwardPass:
     """The backward actions of one step, unit by unit: the seed, then each
     unit's recomputation and gradient kernels.
@@ -248,27 +355,92 @@ class _BackwardPass:
         """The actions that read a tensor that may be a view."""
         self.copies: Set[Key] = set()
         """The keys of the recomputed copies (and of what they save)."""
+        self.advance_copies: Set[Key] = set()
+        """The keys of the advance units' copies (:meth:`block`)."""
+        self.forward_written = model.derived("forward actions", lambda: _forward_actions(model))[1]
         seed_writes: List[Tuple[Key, int]] = []
         for y in model.ys:
             if model.tensors[y].trainable:
                 self.grads.add(y, [], seed_writes)
         self.actions: List[Action] = [Action("seed gradients", [], seed_writes)]
 
-    def run(self, unit: Unit) -> None:
-        """Append ``unit``'s actions."""
+    def run(self, unit: Unit) -> Dict[int, Key]:
+        """Append ``unit``'s actions; return its copies (``local``)."""
         local: Dict[int, Key] = {}
         start = len(self.actions)
         if unit.kind in RECOMPUTING:
             self.recompute(unit, local)
         if unit.kind == UnitKind.ADVANCE:
             self.sources.update(local)
-            return
+            return local
         end = len(self.actions)
         differentiate = self.differentiate
         for i in reversed(unit.ops):
             differentiate(i, local)
         if end > start and unit.kind == UnitKind.SEGMENT and self.model.ready_gradients_early:
             self.actions[start:] = ready_gradients_first(self.actions[start:end], self.actions[end:])
+        return local
+
+    def run_unit(self, unit: Unit, token: int, memo: UnitMemo, made: Optional[Dict] = None) -> int:
+        """Append ``unit``'s actions (:meth:`run`) to the block being made;
+        return the token of the advance units run so far (``token``: before).
+        An advance unit's copies are added to ``made``, when given."""
+        local = self.run(unit)
+        if unit.kind is not UnitKind.ADVANCE:
+            return token
+        self.advance_copies.update(local.values())
+        if made is not None:
+            made.update(local)
+        return memo.token(token, unit)
+
+    def block(self, units: Tuple[Unit, ...], targets: Tuple[int, ...], token: int, memo: UnitMemo) -> UnitBlock:
+        """The block of the run ``units``, made in the current state
+        (``token``: the advance units run so far; ``targets``: the tensors
+        the units add gradient to), its views pinned to the bases the
+        forward pass, the advance units so far and the run itself wrote:
+        in a plan whose units copy under distinct tags and anchors, the
+        keys that name the same copy as a view the run reads."""
+        self.begin_run()
+        ends = []
+        made: Dict = {}
+        for unit in units:
+            token = self.run_unit(unit, token, memo, made)
+            ends.append(len(self.actions) - 1)
+        block = self.end_run(token)
+        latest = self.grads.latest
+        block.gradients = {t: latest[t] for t in targets if t in latest}
+        block.sources, block.ends = made or None, tuple(ends)
+        return block
+
+    def begin_run(self) -> None:
+        """Start a block (:func:`step_blocks`)."""
+        self.actions, self.view_readers = [], []
+        self.copies = set(self.advance_copies) if self.advance_copies else set()
+
+    def end_run(self, token: int) -> UnitBlock:
+        """The block of the units run since :meth:`begin_run` (``token``:
+        the advance units run so far), its views pinned as in :meth:`block`."""
+        if self.view_readers:
+            self.pin_view_bases(self.forward_written)
+        return UnitBlock(self.actions, token=token)
+
+    def advance(self, copies: Dict) -> None:
+        """The state after advance units that made ``copies`` (a block's
+        :attr:`~memsaving.sim.blocks.UnitBlock.sources`)."""
+        self.sources.update(copies)
+        self.advance_copies.update(copies.values())
+
+    def tensors(self, units: Tuple[Unit, ...]) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+        """The tensors whose gradient buffers the actions of ``units`` read
+        or add to (the outputs of the anchors they recompute from, of their
+        ops, the targets of their ops' gradient kernels), and those targets
+        (some may be listed twice)."""
+        touched, targets = self.model.derived("gradient tensors", lambda: (
+            list(map(attrgetter("gradient_tensors"), self.ops)), list(map(attrgetter("targets"), self.ops))))
+        ops = list(chain.from_iterable(map(attrgetter("ops"), units)))
+        anchors = [self.model.ops[unit.anchor].outputs for unit in units if unit.kind in RECOMPUTING]
+        return (tuple(chain(chain.from_iterable(anchors), chain.from_iterable(map(touched.__getitem__, ops)))),
+                tuple(chain.from_iterable(map(targets.__getitem__, ops))))
 
     def recompute(self, unit: Unit, local: Dict[int, Key]) -> None:
         """The copies of ``unit``'s ops, writing ``local`` buffers (keyed by

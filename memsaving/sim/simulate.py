@@ -7,7 +7,10 @@ from the action that produces it to the last action that reads it, which is
 how TensorFlow's executor frees memory (reference counts), so the predicted
 peak is the largest sum of live buffers during any action, plus the memory
 resident before the step.  The actions come from :mod:`memsaving.sim.actions`,
-the buffer rules from :mod:`memsaving.model.buffers`.
+the buffer rules from :mod:`memsaving.model.buffers`.  The planners score
+long runs of neighbouring plans, so a plan is mostly replayed from blocks
+of actions that earlier plans of the model made (:mod:`memsaving.sim.blocks`),
+with the same result as from its own list.
 """
 
 from __future__ import annotations
@@ -15,16 +18,17 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import accumulate, compress
+from itertools import accumulate, chain, compress
 from operator import attrgetter, methodcaller
 from typing import FrozenSet, Iterable, Iterator, List, Optional, Set, Tuple
 
-from memsaving.sim.actions import forward_actions, step_actions
+from memsaving.sim.actions import block_rows, forward_actions, step_actions, step_blocks
 from memsaving.sim.allowance import charge
-from memsaving.model.buffers import Action, BufferRows, Key, memory_replay
+from memsaving.sim.blocks import RECOMPUTED_LABELS
+from memsaving.model.buffers import Action, BufferRows, Key, memory_replay, replay_rows
 from memsaving.sim.executor import unpinned_orders
 from memsaving.model.graph import GraphModel, gradient_sinks
-from memsaving.model.schedule import Inner, backward_units, kept_set
+from memsaving.model.schedule import Inner, Unit, backward_units, kept_set
 from memsaving.sim.swap import CostModel, add_swaps, timed_replay
 
 
@@ -188,9 +192,37 @@ def _replayed(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: 
               unpinned: bool) -> Simulation:
     """:func:`_replay`'s work."""
     units = backward_units(model, kept, inner, inplace=bool(swapped) if inplace is None else inplace)
-    actions, unit_ends = step_actions(model, kept, units)
     pinned = {("g", x) for x in gradient_sinks(model)} if keep_x_gradients else set()
-    if unpinned and model.ready_gradients_early and not swapped:
+    reordered = unpinned and model.ready_gradients_early and not swapped
+    # the blocks of the units earlier plans ran in the same state, and their rows, are reused
+    stepped = None if swapped or reordered or cost is not None else step_blocks(model, units)
+    if stepped is None:
+        return _replayed_list(model, kept, units, pinned, swapped, cost, reordered)
+    blocks, unit_ends = stepped
+    timeline, peak = replay_rows(block_rows(model, blocks), pinned)
+    labels = list(chain.from_iterable(map(attrgetter("labels"), blocks)))
+    charge(len(labels))
+    # what every plan pays, summed once per model
+    forward_cost, backward_cost = model.derived("step costs", lambda: (model.forward_cost(), model.backward_cost()))
+    return Simulation(
+        peak_bytes=model.resident_bytes + peak,
+        forward_cost=forward_cost,
+        recompute_cost=sum(chain.from_iterable(map(attrgetter("recomputed_costs"), blocks))),
+        backward_cost=backward_cost,
+        timeline=timeline,
+        labels=labels,
+        unit_ends=unit_ends,
+    )
+
+
+def _replayed_list(model: GraphModel, kept: Set[int], units: List[Unit], pinned: Set[Key],
+                   swapped: FrozenSet[int], cost: Optional[CostModel], reordered: bool) -> Simulation:
+    """:func:`_replayed` on the whole list of actions, made for the plan
+    alone: a plan that is timed (swaps, a cost model), whose actions are
+    replayed in the executor's order, or that is not made of blocks
+    (:func:`memsaving.sim.actions.step_blocks`)."""
+    actions, unit_ends = step_actions(model, kept, units)
+    if reordered:
         actions, unit_ends = _median_executor_order(actions, unit_ends, pinned)
     step_seconds = timed_peak = None
     if swapped or cost is not None:
@@ -206,9 +238,8 @@ def _replayed(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: 
     if swapped:
         peak = timed_peak
     labels = list(map(attrgetter("label"), actions))
-    # what every plan pays, summed once per model
     forward_cost, backward_cost = model.derived("step costs", lambda: (model.forward_cost(), model.backward_cost()))
-    recomputed = map(methodcaller("startswith", ("recompute ", "advance ")), labels)
+    recomputed = map(methodcaller("startswith", RECOMPUTED_LABELS), labels)
     return Simulation(
         peak_bytes=model.resident_bytes + peak,
         forward_cost=forward_cost,
