@@ -247,6 +247,18 @@ def _compare(name: str, plans, expected, got, how: str) -> int:
     return wrong
 
 
+def _dump(file: pathlib.Path, models: Dict[str, Any], make, describe) -> None:
+    """Save ``make(model)`` of every model to ``file`` (what ``check`` compares
+    against), printing ``describe`` of each and the time it took."""
+    saved = {}
+    for name, model in models.items():
+        start = time.process_time()
+        saved[name] = make(model)
+        print(f"{name:28s} {describe(saved[name])}  {time.process_time() - start:6.1f} s")
+    with open(file, "wb") as f:
+        pickle.dump(saved, f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=("dump", "check"))
@@ -264,14 +276,11 @@ def main() -> None:
         _check_planners(args, models)
         return
     if args.mode == "dump":
-        saved = {}
-        for name, model in models.items():
-            start = time.process_time()
+        def plans_and_scores(model):
             plans = _plans(model)
-            saved[name] = (plans, _score(model, plans))
-            print(f"{name:28s} {len(plans):4d} plans  {time.process_time() - start:6.1f} s")
-        with open(args.file, "wb") as f:
-            pickle.dump(saved, f)
+            return plans, _score(model, plans)
+
+        _dump(args.file, models, plans_and_scores, lambda found: f"{len(found[0]):4d} plans")
         return
     with open(args.file, "rb") as f:
         saved = pickle.load(f)
@@ -300,13 +309,7 @@ def main() -> None:
 def _check_planners(args, models) -> None:
     """``main`` with ``--planners``."""
     if args.mode == "dump":
-        saved = {}
-        for name, model in models.items():
-            start = time.process_time()
-            saved[name] = _planned(model)
-            print(f"{name:28s} {time.process_time() - start:6.1f} s")
-        with open(args.file, "wb") as f:
-            pickle.dump(saved, f)
+        _dump(args.file, models, _planned, lambda found: f"{len(found):4d} proposals")
         return
     with open(args.file, "rb") as f:
         saved = pickle.load(f)
