@@ -25,11 +25,13 @@ model for two budgets instead, and its proposal and every simulation it
 remembers (the last 128 it ran) are compared: the sequences of plans the
 planners really score.  Both versions must have the same planners then.
 
-    python experiments/replay_identity.py dump  --code /work/main OUT.pkl [--models DIR] [--only NAME] [--planners]
-    python experiments/replay_identity.py check --code .          OUT.pkl [--models DIR] [--only NAME] [--planners]
+    python experiments/replay_identity.py dump  --code /work/main OUT.pkl --models DIR [--only NAME] [--planners]
+    python experiments/replay_identity.py check --code .          OUT.pkl --models DIR [--only NAME] [--planners]
 
-``--code``: the folder whose ``memsaving`` package is imported (run the
-script by its path, so that the folder it lies in does not decide it).
+``--models``: a folder of pickled graph models (``*.pkl``, as for
+``bench_replay --pickles``); every one is read.  ``--code``: the folder
+whose ``memsaving`` package is imported (run the script by its path, so
+that the folder it lies in does not decide it).
 """
 
 from __future__ import annotations
@@ -264,7 +266,8 @@ def main() -> None:
     parser.add_argument("mode", choices=("dump", "check"))
     parser.add_argument("file", type=pathlib.Path)
     parser.add_argument("--code", type=pathlib.Path, required=True, help="folder holding the memsaving package")
-    parser.add_argument("--models", type=pathlib.Path, default=pathlib.Path("/tmp/s6/clean"))
+    parser.add_argument("--models", type=pathlib.Path, required=True,
+                        help="folder of pickled GraphModel objects (*.pkl, as for bench_replay --pickles)")
     parser.add_argument("--only", nargs="*", default=[], help="model names (pickle stems, or chain)")
     parser.add_argument("--planners", action="store_true", help="compare the budget planner's runs instead")
     args = parser.parse_args()

@@ -58,7 +58,7 @@ class Config:
 
 
 CONFIGS = {
-    "tiny": Config((1, 2), 4, 2, ("unet",), 32, 2, 8, 0, ("unet",), 5.0, 8, "tiny", 2.0),
+    "tiny": Config((1, 2), 4, 2, ("unet",), 32, 2, 4, 0, ("unet",), 5.0, 8, "tiny", 2.0),
     "quick": Config((1, 2, 3, 5, 8), 16, 5, ("unet", "transformer"), 64, 4, 64, 1, ("vgg16", "unet"), 20.0,
                     None, "quick", 4.0),
     "full": Config((1, 3, 5, 9, 18, 34), 32, 9, ("resnet50", "vgg16", "unet", "transformer"), 64, 4, 64, 2,

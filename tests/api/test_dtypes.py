@@ -21,7 +21,7 @@ def test_graph_model_sizes_use_the_real_dtype():
     w = tf.Variable(tf.ones([6, 5]))
     found = {}
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(x):
         h = tf.matmul(x, w)  # [7, 5] float32
         outs = {dtype: tf.cast(h, dtype) for dtype in DTYPES}  # float32: h itself

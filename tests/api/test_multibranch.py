@@ -80,7 +80,7 @@ def _compare(forward, ws):
 def test_four_towers_have_no_single_separator_but_get_cuts():
     ws = _variables(4 * 24, seed=0)
 
-    @tf.function
+    @tf.function(autograph=False)
     def inspect(x):
         loss = four_towers(x, ws)
         fwd = forward_graph([tf.convert_to_tensor(w.handle) for w in ws], [loss])

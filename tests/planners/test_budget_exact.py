@@ -12,6 +12,7 @@ from memsaving.sim.simulate import simulate
 from chains import random_chains
 
 
+@pytest.mark.slow
 def test_budget_plans_are_near_the_exact_optimum():
     ratios = []
     for model in random_chains(9, 11, seed=7):

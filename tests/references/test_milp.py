@@ -185,6 +185,7 @@ def test_milp_refuses_large_models():
         solve_milp(chain_model([10] * 130), 10 ** 6)
 
 
+@pytest.mark.slow
 def test_budget_plans_against_the_milp_optimum():
     """Total compute of ``plan_for_budget`` (what ``budget=`` runs: the cut
     DP, its per-op refinements and multi-level plans) against the optimum

@@ -23,7 +23,7 @@ def _model_of(fn, *args):
 
     x, w = args
 
-    @tf.function
+    @tf.function(autograph=False)
     def trace(x):
         loss = fn(x, w)
         fwd = forward_graph([loss.graph.capture(w.handle)], [loss])

@@ -17,7 +17,7 @@ def _folded(batch: int, width: int, loss_of=lambda h: tf.reduce_mean(tf.square(h
     w = tf.Variable(tf.random.normal([width, width], seed=1))
     found = {}
 
-    @tf.function
+    @tf.function(autograph=False)
     def trace(x):
         h = tf.nn.relu(tf.matmul(x, w))
         loss = loss_of(h)

@@ -324,7 +324,7 @@ def test_keras_norm_weights_stay_parameters(feed):
     variables = net.trainable_variables
     found = {}
 
-    @tf.function
+    @tf.function(autograph=False)
     def inspect(arg):
         x = arg if feed == "argument" else tf.ones([16, 8, 8, 3])
         loss = tf.reduce_mean(tf.square(net(x, training=True)))

@@ -39,6 +39,7 @@ def exact_instances(pace_exact_dir):
     return graphs, optima
 
 
+@pytest.mark.slow
 def test_min_fill_on_all_exact_instances(exact_instances, capsys):
     graphs, optima = exact_instances
     optimal = 0
@@ -55,6 +56,7 @@ def test_min_fill_on_all_exact_instances(exact_instances, capsys):
     assert total <= MIN_FILL_WIDTH_SUM
 
 
+@pytest.mark.slow
 def test_min_degree_on_all_exact_instances(exact_instances):
     graphs, optima = exact_instances
     for name, G in graphs.items():
