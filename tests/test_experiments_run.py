@@ -4,6 +4,8 @@ its tables and plots, with figures that make sense (so they cannot rot)."""
 import csv
 import os
 
+import pytest
+
 from experiments import run
 
 
@@ -12,6 +14,7 @@ def _rows(path):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow  # about 35 s: the experiments are benchmarks
 def test_every_experiment_writes_its_tables_and_plots(tmp_path):
     out = str(tmp_path)
     results = run.main(["--tiny", "--out", out])

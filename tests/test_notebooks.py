@@ -17,12 +17,8 @@ def test_both_notebooks_exist():
     assert {p.name for p in NOTEBOOKS} >= {"tree_decompositions.ipynb", "memory_zigzag.ipynb"}
 
 
-SLOW = {"memory_zigzag"}
-"""Notebooks left to ``-m slow``: memory_zigzag measures a dozen traced steps (about 25 s)."""
-
-
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p
-                                  for p in NOTEBOOKS], ids=lambda p: p.stem)
+@pytest.mark.slow  # 18-25 s each: a kernel start, Keras models traced and measured
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path):
     book = nbformat.read(path, as_version=4)
     NotebookClient(book, timeout=600, kernel_name="python3",

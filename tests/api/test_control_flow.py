@@ -183,7 +183,10 @@ def test_loop_with_a_variable_update_runs_once_per_step():
 
 
 @pytest.mark.parametrize("unroll", [False, True])
-@pytest.mark.parametrize("cell", ["LSTM", "GRU", "SimpleRNN"])
+# LSTM and GRU (8-12 s each) with -m slow: test_gradients_cases.test_keras_recurrent_layers
+# checks their gradients, looped and unrolled
+@pytest.mark.parametrize("cell", [pytest.param("LSTM", marks=pytest.mark.slow),
+                                  pytest.param("GRU", marks=pytest.mark.slow), "SimpleRNN"])
 def test_keras_rnn_layers(cell, unroll):
     import keras
 

@@ -340,7 +340,7 @@ def _check(name, family, m):
             f"allowed -{family.under:.0%}..+{family.over:.0%})")
 
 
-SLOW_FAMILIES = {"einsum_dense", "conv2d", "layernorm", "dense_batchnorm"}
+SLOW_FAMILIES = {"einsum_dense", "conv2d", "layernorm", "dense_batchnorm", "depthwise_conv2d"}
 """Families left to ``-m slow`` (about 12 s each): what they guard is guarded
 by the others too (the bias fix by Dense and Embedding+Dense, the order of
 gradient ops by Conv2D with biases); LayerNorm guards neither fix."""
@@ -352,6 +352,7 @@ def test_memory_mode_saves_on_layer_family(name):
     _check(name, FAMILIES[name], _measured_in_a_fresh_process(name))
 
 
+@pytest.mark.slow  # 15 s; test_profiles.test_lstm_step checks a loop's prediction
 def test_recurrent_layers_are_not_worse():
     """LSTM and GRU: nothing to save, and nothing lost.
 
