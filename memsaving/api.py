@@ -35,6 +35,7 @@ from memsaving.tf.rewrite import BackwardBuilder
 from memsaving.model.schedule import kept_set
 from memsaving.options import ACCEPTED_KEYWORDS, SWAP_KEYS, Options, parse_options
 from memsaving.sim.allowance import DEFAULT_PLANNING_SECONDS, planning_allowance
+from memsaving.sim.simulate import collector_paused
 from memsaving.sim.swap import swap_candidates
 from memsaving.tf.swap_rewrite import insert_swaps
 
@@ -459,7 +460,8 @@ def _plan(ys, xs, checkpoints, budget, options: Options, seeded_with_ones: bool 
     if plan_ is None:
         with planning_allowance(options.planner.planning_time) as allowance:
             try:
-                fwd, plan_ = _plan_for_model(fwd, model, checkpoints, planned_for, options, or_lowest)
+                with collector_paused():
+                    fwd, plan_ = _plan_for_model(fwd, model, checkpoints, planned_for, options, or_lowest)
             except BudgetError as error:
                 if key is not None:
                     remember(key, model, error)

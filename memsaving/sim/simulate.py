@@ -165,18 +165,21 @@ def _replay(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: Op
             swapped: FrozenSet[int], cost: Optional[CostModel], inplace: Optional[bool],
             unpinned: bool) -> Simulation:
     """The replay behind :func:`simulate`, run once per model and plan."""
-    with _collector_paused():
+    with collector_paused():
         return _replayed(model, kept, keep_x_gradients, inner, swapped, cost, inplace, unpinned)
 
 
 @contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while a plan is replayed.
+def collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a plan is replayed or
+    searched for.
 
     A replay makes tens of thousands of actions, lists and tuples that live
     until it returns and form no reference cycles (reference counting frees
     them); the collections their allocations trigger would only walk them
-    and the rest of the heap.  A collector that was off stays off."""
+    and the rest of the heap (a traced model's graph: a full collection
+    takes most of a second on a 6,000-op graph).  A collector that was off
+    stays off; cycles made meanwhile are collected once it runs again."""
     if not gc.isenabled():
         yield
         return
