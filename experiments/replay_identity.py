@@ -261,6 +261,21 @@ def _dump(file: pathlib.Path, models: Dict[str, Any], make, describe) -> None:
         pickle.dump(saved, f)
 
 
+def _check(file: pathlib.Path, models: Dict[str, Any], compare, what: str) -> None:
+    """Compare every model with what ``_dump`` saved in ``file``:
+    ``compare(name, model, saved)`` prints its line and returns (figures
+    compared, figures that differ).  Exits 1 when any differs."""
+    with open(file, "rb") as f:
+        saved = pickle.load(f)
+    total = wrong = 0
+    for name, model in models.items():
+        compared, bad = compare(name, model, saved[name])
+        total += compared
+        wrong += bad
+    print(f"{total} {what} compared, {wrong} differ")
+    sys.exit(1 if wrong else 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=("dump", "check"))
@@ -285,28 +300,26 @@ def main() -> None:
 
         _dump(args.file, models, plans_and_scores, lambda found: f"{len(found[0]):4d} plans")
         return
-    with open(args.file, "rb") as f:
-        saved = pickle.load(f)
-    total = wrong = 0
-    for name, model in models.items():
-        plans, expected = saved[name]
-        if _plans(model) != plans:
-            print(f"  {name}: the plan list differs from the dumped one")
-            wrong += 1
-            continue
-        start = time.process_time()
-        bad = _compare(name, plans, expected, _score(model, plans), "in order")
-        order = list(range(len(plans)))
-        random.Random(1).shuffle(order)
-        shuffled = [plans[k] for k in order]
-        bad += _compare(name, shuffled, [expected[k] for k in order], _score(model, shuffled), "shuffled")
-        few = plans[::7]
-        bad += _compare(name, few, expected[::7], _score(model, few, forget_all=True), "each alone")
-        total += 2 * len(plans) + len(few)
-        wrong += bad
-        print(f"{name:28s} {len(plans):4d} plans  {bad} differ  {time.process_time() - start:6.1f} s")
-    print(f"{total} replays compared, {wrong} differ")
-    sys.exit(1 if wrong else 0)
+    _check(args.file, models, _replays_compared, "replays")
+
+
+def _replays_compared(name: str, model, saved) -> Tuple[int, int]:
+    """One model's dumped replays against this version's: in order,
+    shuffled, and every seventh alone after forgetting everything."""
+    plans, expected = saved
+    if _plans(model) != plans:
+        print(f"  {name}: the plan list differs from the dumped one")
+        return 0, 1
+    start = time.process_time()
+    bad = _compare(name, plans, expected, _score(model, plans), "in order")
+    order = list(range(len(plans)))
+    random.Random(1).shuffle(order)
+    shuffled = [plans[k] for k in order]
+    bad += _compare(name, shuffled, [expected[k] for k in order], _score(model, shuffled), "shuffled")
+    few = plans[::7]
+    bad += _compare(name, few, expected[::7], _score(model, few, forget_all=True), "each alone")
+    print(f"{name:28s} {len(plans):4d} plans  {bad} differ  {time.process_time() - start:6.1f} s")
+    return 2 * len(plans) + len(few), bad
 
 
 def _check_planners(args, models) -> None:
@@ -314,18 +327,20 @@ def _check_planners(args, models) -> None:
     if args.mode == "dump":
         _dump(args.file, models, _planned, lambda found: f"{len(found):4d} proposals")
         return
-    with open(args.file, "rb") as f:
-        saved = pickle.load(f)
+    _check(args.file, models, _planner_runs_compared, "proposals and simulations")
+
+
+def _planner_runs_compared(name: str, model, saved) -> Tuple[int, int]:
+    """One model's dumped planner proposals, and the simulations each
+    remembered, against this version's."""
     total = wrong = 0
-    for name, model in models.items():
-        for (want, want_sims), (have, have_sims) in zip(saved[name], _planned(model)):
-            total += 1 + len(want_sims)
-            bad = (want != have) + sum(want_sims.get(key) != sims for key, sims in have_sims.items())
-            bad += len(set(want_sims) ^ set(have_sims))
-            wrong += bad
-            print(f"{name:28s} {len(have_sims):4d} simulations  {bad} differ  {have[:70]}")
-    print(f"{total} proposals and simulations compared, {wrong} differ")
-    sys.exit(1 if wrong else 0)
+    for (want, want_sims), (have, have_sims) in zip(saved, _planned(model)):
+        total += 1 + len(want_sims)
+        bad = (want != have) + sum(want_sims.get(key) != sims for key, sims in have_sims.items())
+        bad += len(set(want_sims) ^ set(have_sims))
+        wrong += bad
+        print(f"{name:28s} {len(have_sims):4d} simulations  {bad} differ  {have[:70]}")
+    return total, wrong
 
 
 if __name__ == "__main__":
