@@ -8,9 +8,10 @@ the budget the DP works with is tightened until the simulated peak fits.
 
 Surrogate: during the backward pass of the segment between kept candidates
 ``a`` and ``b``, memory holds every kept output up to ``a`` plus the forward
-tensors the segment's gradients read plus the segment's largest gradient
-buffers.  Recomputing that segment costs the FLOPs of its ops (the segment
-after the last checkpoint is differentiated in place and costs nothing).
+tensors the segment's gradients read plus the gradient and work buffers of
+the op of the segment whose gradient holds most.  Recomputing that segment
+costs the FLOPs of its ops (the segment after the last checkpoint is
+differentiated in place and costs nothing).
 """
 
 from __future__ import annotations
@@ -186,6 +187,7 @@ def _search(
     # 1. the surrogate DP, tightened until the simulated peak fits
     chain = _chain(model, cuts)
     target = float(budget - model.resident_bytes)
+    previous_peak = None
     for round_ in range(rounds):
         if round_ and used_up():
             break
@@ -194,9 +196,15 @@ def _search(
             break
         chosen = tuple(picked)
         consider(chosen)
-        if feasible(chosen):
-            break
-        target -= evaluate(chosen)[1] - budget
+        peak = evaluate(chosen)[1]
+        if peak <= budget or (previous_peak is not None and peak >= previous_peak):
+            break  # it fits, or a tighter surrogate no longer lowers what sets the peak
+        previous_peak = peak
+        # Tighten from the plan's own surrogate, which may lie far under the
+        # target (memory the surrogate does not see, such as weight gradients,
+        # makes it optimistic): tightening the target alone by the excess
+        # would return the same plan round after round.
+        target = min(target, chain.peak(picked)) - (peak - budget)
     # 2. Chen et al.'s greedy plans
     if cut_bytes is None:
         before = np.concatenate([[0.0], np.cumsum([
@@ -259,7 +267,8 @@ def select_for_budget(
 
     ``candidates`` are op indices or sets of op indices (cuts), ordered from
     the inputs to the outputs.  Every plan is judged by the simulator: the
-    surrogate DP (its budget tightened until the simulated peak fits),
+    surrogate DP (its budget tightened below the last plan's surrogate peak
+    until the simulated peak fits, or stops falling),
     Chen et al.'s greedy plans and evenly spaced plans as fallbacks, then a
     local search (add, drop or shift one cut) that lowers the peak while
     nothing fits and the recomputation once something does.  The number of simulations is

@@ -3,7 +3,7 @@
 Both the single-level DP (:mod:`memsaving.planners.budget`) and the multi-level one
 (:mod:`memsaving.planners.nested`) see the graph as a chain: candidate cuts ordered
 from the inputs to the outputs, with prefix sums over the ops between them
-(forward cost, bytes their gradients read, largest tensor) from which the
+(forward cost, bytes their gradients read, gradient and work buffers) from which the
 surrogate memory and recomputation of any stretch between two cuts is read
 in constant time.
 """
@@ -25,7 +25,7 @@ class Chain:
     kept: np.ndarray  # bytes kept by each candidate
     cost_prefix: np.ndarray  # cumulative forward cost by op position
     reads_prefix: np.ndarray  # cumulative grad-read bytes by op position
-    largest: np.ndarray  # largest tensor per op position (gradient buffers)
+    held: np.ndarray  # per op position: bytes its backward holds besides reads (gradient and work buffers)
     anchor_cost: np.ndarray  # per candidate: cost of its ops a segment does not recompute
     _stretches: Optional[Tuple[np.ndarray, np.ndarray]] = field(default=None, repr=False, compare=False)
     _to: Dict[Tuple[str, int], np.ndarray] = field(default_factory=dict, repr=False, compare=False)
@@ -39,17 +39,18 @@ class Chain:
 
     def _span(self, a: int, b: int) -> tuple:
         lo = self.positions[a] + 1
-        hi = self.positions[b] if b <= self.size else len(self.largest) - 1
+        hi = self.positions[b] if b <= self.size else len(self.held) - 1
         return lo, hi
 
     def memory(self, a: int, b: int) -> float:
         """Surrogate bytes of backpropagating the stretch after cut ``a`` up
         to cut ``b`` (``b = size + 1``: the end): the forward tensors its
-        gradients read plus two of its largest tensors (gradient buffers).
-        Cut 0 is the start (the inputs)."""
+        gradients read plus, for its op whose gradient holds most, two
+        buffers of its output's size (incoming and outgoing gradients) and
+        its kernels' work buffer.  Cut 0 is the start (the inputs)."""
         lo, hi = self._span(a, b)
         reads = self.reads_prefix[hi + 1] - self.reads_prefix[lo]
-        return float(reads + 2 * (self.largest[lo:hi + 1].max() if hi >= lo else 0.0))
+        return float(reads + (self.held[lo:hi + 1].max() if hi >= lo else 0.0))
 
     def memory_to(self, b: int) -> np.ndarray:
         """``memory(a, b)`` for every ``a < b`` at once (vectorised DPs; read only)."""
@@ -64,10 +65,9 @@ class Chain:
         reads = self.reads_prefix[hi + 1] - self.reads_prefix[starts]
         if hi < 0:
             return reads
-        # largest tensor from each start to hi: a running max from the right
-        suffix_max = np.maximum.accumulate(self.largest[: hi + 1][::-1])[::-1]
-        largest = np.where(starts <= hi, suffix_max[np.minimum(starts, hi)], 0.0)
-        return reads + 2 * largest
+        # most held from each start to hi: a running max from the right
+        suffix_max = np.maximum.accumulate(self.held[: hi + 1][::-1])[::-1]
+        return reads + np.where(starts <= hi, suffix_max[np.minimum(starts, hi)], 0.0)
 
     def cost_to(self, b: int) -> np.ndarray:
         """``cost(a, b)`` for every ``a < b`` at once (read only)."""
@@ -100,6 +100,25 @@ class Chain:
             self._stretches = (cost, memory)
         return self._stretches
 
+    def peak(self, picked: Sequence[int]) -> float:
+        """Surrogate bytes of the plan keeping the candidates ``picked``
+        (indices into the candidate list, ascending): the largest, over its
+        stretches, of the bytes kept up to the stretch's start plus
+        :meth:`memory` of the stretch, the quantity the single-level DP keeps
+        within its budget.
+
+        Examples
+        --------
+        >>> from memsaving.model.graph import chain_model
+        >>> model = chain_model([4, 16, 8])
+        >>> summary = chain(model, [[0], [1]])
+        >>> summary.peak([]) == summary.memory(0, 3)
+        True
+        """
+        stages = [0] + [k + 1 for k in picked] + [self.size + 1]
+        kept_before = np.concatenate([[0.0], np.cumsum(self.kept[list(picked)])])
+        return float(max(kept_before[s] + self.memory(a, b) for s, (a, b) in enumerate(zip(stages, stages[1:]))))
+
     def cost(self, a: int, b: int) -> float:
         """Recomputation cost of the stretch after cut ``a`` up to cut ``b``:
         the forward cost of its ops, except cut ``b``'s own (kept) ops."""
@@ -117,18 +136,32 @@ def ops_of(cuts: Sequence[Sequence[int]], chosen: Sequence[int]) -> List[int]:
     return sorted({i for k in chosen for i in cuts[k]})
 
 
-def chain(model: GraphModel, cuts: Sequence[Sequence[int]]) -> Chain:
+def chain(model: GraphModel, cuts: Sequence[Sequence[int]], work_buffers: bool = True) -> Chain:
+    """The surrogate chain of ``cuts`` (candidate cuts, inputs to outputs).
+
+    ``work_buffers``: whether a stretch's memory counts the work buffer of
+    its op whose gradient holds most.  The simulator counts it, and on
+    convolutional networks (a 3x3 Conv2D gradient takes some 32 MiB on CPU)
+    it is most of the step's memory above the resident: without it the
+    surrogate is optimistic and the single-level DP proposes plans that do
+    not fit.  The multi-level DP leaves it out: its search scales the
+    surrogate budget over a wide range anyway, and with one buffer that
+    large in every stretch, splitting stretches further never lowers the
+    surrogate, so it would propose no recursive plan at all.
+    """
     n = len(model.ops)
     cost = np.zeros(n + 1)
     reads = np.zeros(n + 1)
-    largest = np.zeros(n)
+    held = np.zeros(n)
     for i, op in enumerate(model.ops):
         fwd = op.forward
         cost[i + 1] = cost[i] + (op.cost if fwd else 0.0)
         reads[i + 1] = reads[i] + (sum(model.tensors[t].nbytes for t in op.grad_reads) if fwd else 0)
-        largest[i] = max([model.tensors[t].nbytes for t in op.outputs] + [0]) if fwd else 0
+        if fwd:
+            held[i] = 2 * max([model.tensors[t].nbytes for t in op.outputs] + [0]) + work_buffers * max(op.temp_bytes,
+                                                                                         op.grad_temp_bytes)
     kept = np.array([sum(model.tensors[t].nbytes for i in cut for t in model.ops[i].outputs) for cut in cuts],
                     dtype=float)
     anchor_cost = np.array([sum(model.ops[i].cost for i in cut if not recomputes_anchor(model.ops[i].type))
                             for cut in cuts], dtype=float)
-    return Chain([-1] + [max(cut) for cut in cuts] + [n], kept, cost, reads, largest, anchor_cost)
+    return Chain([-1] + [max(cut) for cut in cuts] + [n], kept, cost, reads, held, anchor_cost)

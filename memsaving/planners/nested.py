@@ -10,7 +10,8 @@ chains whose stages differ in size and cost, the dynamic program of Beaumont
 et al., "Optimal checkpointing for heterogeneous chains", the Rotor paper).
 
 The dynamic program here works on the chain of candidate cuts with the same
-surrogate costs as the single-level DP (:class:`memsaving.planners.chain.Chain`):
+surrogate costs as the single-level DP (:class:`memsaving.planners.chain.Chain`),
+but for kernels' work buffers (see :func:`memsaving.planners.chain.chain`):
 
 * ``solve(a, b, M)``: the least recomputation that backpropagates the stretch
   from cut ``a`` (held) to cut ``b`` (its gradient known) within ``M`` bytes,
@@ -154,7 +155,7 @@ def thinned_chain(model: GraphModel, candidates: Sequence, max_cuts: int = 40) -
     if len(cuts) > max_cuts:
         keep = sorted({int(round(k * (len(cuts) - 1) / (max_cuts - 1))) for k in range(max_cuts)})
         cuts = [cuts[k] for k in keep]
-    return cuts, chain(model, cuts)
+    return cuts, chain(model, cuts, work_buffers=False)
 
 
 def nested_plan(model: GraphModel, cuts: List[List[int]], summary: Chain, target: float) -> Optional[NestedPlan]:

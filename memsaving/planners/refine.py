@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Set, Tuple
 
+import numpy as np
+
 from memsaving.model.graph import GraphModel
 from memsaving.model.proposal import Proposal
 from memsaving.model.schedule import RECOMPUTING, backward_units, kept_set
@@ -103,8 +105,8 @@ def _drop_candidates(model: GraphModel) -> List[int]:
 def _excess(sim: Simulation, model: GraphModel, budget: int) -> int:
     """Bytes above the budget summed over the timeline (a tie-breaker that
     rewards lowering secondary peaks too)."""
-    live_budget = budget - model.resident_bytes
-    return int(sum(max(v - live_budget, 0) for v in sim.timeline))
+    above = np.asarray(sim.timeline, dtype=np.int64) - (budget - model.resident_bytes)
+    return int(above[above > 0].sum())
 
 
 def drop_from_keep_all(
@@ -120,7 +122,10 @@ def drop_from_keep_all(
     ones: ops are tried in order of forward cost per output byte, lowest
     first; a drop is accepted when it lowers the simulated peak (or, at an
     equal peak, the bytes above the budget over the whole step).  Returns the
-    checkpoint ops and simulation of the first plan that fits, or None.
+    checkpoint ops and simulation of the first plan that fits, or None, at
+    once when the ops it would try hold fewer output bytes than the peak is
+    over the budget: a plan that stops keeping some ops has a peak lower by
+    their output bytes at most (recomputing them only adds memory).
     """
     candidates = _drop_candidates(model)
     current = set(candidates)
@@ -128,18 +133,26 @@ def drop_from_keep_all(
     if sim.peak_bytes <= budget:
         return sorted(current), sim
     limit = default_evaluations(model) if max_evaluations is None else max_evaluations
-    if len(candidates) <= STEEPEST_MAX_CANDIDATES:
-        return _steepest_drops(model, current, sim, budget, keep_x_gradients)
-    score = (sim.peak_bytes, _excess(sim, model, budget))
+    steepest = len(candidates) <= STEEPEST_MAX_CANDIDATES
     order = sorted(candidates, key=lambda i: model.ops[i].cost / _output_bytes(model, i))
-    for i in order[:limit]:
+    tried = candidates if steepest else order[:limit]
+    if sim.peak_bytes - sum(_output_bytes(model, i) for i in tried) > budget:
+        return None  # out of reach: stopping keeping an op lowers the peak by its output bytes at most
+    if steepest:
+        return _steepest_drops(model, current, sim, budget, keep_x_gradients)
+    excess = None  # of ``sim``, computed when a trial ties its peak
+    for i in tried:
         if used_up():
             break
         trial = sorted(current - {i})
         trial_sim = simulate(model, trial, keep_x_gradients=keep_x_gradients)
-        trial_score = (trial_sim.peak_bytes, _excess(trial_sim, model, budget))
-        if trial_score < score:
-            current, sim, score = set(trial), trial_sim, trial_score
+        if trial_sim.peak_bytes == sim.peak_bytes:
+            excess = _excess(sim, model, budget) if excess is None else excess
+            trial_excess = _excess(trial_sim, model, budget)
+            if trial_excess < excess:
+                current, sim, excess = set(trial), trial_sim, trial_excess
+        elif trial_sim.peak_bytes < sim.peak_bytes:
+            current, sim, excess = set(trial), trial_sim, None
             if sim.peak_bytes <= budget:
                 return sorted(current), sim
     return None

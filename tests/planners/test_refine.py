@@ -92,6 +92,27 @@ def test_drop_from_keep_all_recomputes_cheap_ops_first():
     assert dropped and all(costs[i] == 1 for i in dropped)
 
 
+def test_a_plan_that_stops_keeping_ops_lowers_the_peak_by_their_bytes_at_most():
+    # what drop_from_keep_all's early refusal relies on
+    rng = random.Random(3)
+    for model in _chains(12, seed=3):
+        everything = list(range(len(model.ops)))
+        peak = simulate(model, everything).peak_bytes
+        for _ in range(6):
+            dropped = set(rng.sample(everything, rng.randint(1, len(everything))))
+            freed = sum(model.tensors[t].nbytes for i in dropped for t in model.ops[i].outputs)
+            assert simulate(model, sorted(set(everything) - dropped)).peak_bytes >= peak - freed
+
+
+def test_drop_from_keep_all_refuses_a_budget_out_of_its_reach_without_trying():
+    model = chain_model([100] * (STEEPEST_MAX_CANDIDATES + 30), grad_reads="input")
+    keep_all = simulate(model, list(range(len(model.ops)))).peak_bytes
+    # five trials can stop keeping 500 bytes at most
+    assert drop_from_keep_all(model, keep_all - 501, max_evaluations=5) is None
+    assert len(model.derived("simulations", dict)) == 1  # keeping everything, nothing else
+    assert drop_from_keep_all(model, keep_all - 200, max_evaluations=5) is not None
+
+
 def test_refined_plans_skip_the_one_pass_descent_only_when_told():
     # over STEEPEST_MAX_CANDIDATES ops the descent is one pass in a fixed order:
     # descend=False (no plan of cuts fits) leaves it out, with no simulation
