@@ -102,6 +102,12 @@ def _drop_candidates(model: GraphModel) -> List[int]:
     return [i for i, op in enumerate(model.ops) if op.forward and op.copyable and _output_bytes(model, i) > 0]
 
 
+def _held_bytes(model: GraphModel, i: int) -> int:
+    """What keeping op ``i`` holds for the backward pass: its outputs, and
+    the memory it saves for its gradient (a loop's intermediates)."""
+    return _output_bytes(model, i) + model.ops[i].saved_bytes
+
+
 def _excess(sim: Simulation, model: GraphModel, budget: int) -> int:
     """Bytes above the budget summed over the timeline (a tie-breaker that
     rewards lowering secondary peaks too)."""
@@ -123,9 +129,10 @@ def drop_from_keep_all(
     first; a drop is accepted when it lowers the simulated peak (or, at an
     equal peak, the bytes above the budget over the whole step).  Returns the
     checkpoint ops and simulation of the first plan that fits, or None, at
-    once when the ops it would try hold fewer output bytes than the peak is
-    over the budget: a plan that stops keeping some ops has a peak lower by
-    their output bytes at most (recomputing them only adds memory).
+    once when the ops it would try hold fewer bytes than the peak is over
+    the budget: a plan that stops keeping some ops has a peak lower by what
+    they hold (outputs, memory saved for their gradients) at most;
+    recomputing them only adds memory.
     """
     candidates = _drop_candidates(model)
     current = set(candidates)
@@ -136,8 +143,8 @@ def drop_from_keep_all(
     steepest = len(candidates) <= STEEPEST_MAX_CANDIDATES
     order = sorted(candidates, key=lambda i: model.ops[i].cost / _output_bytes(model, i))
     tried = candidates if steepest else order[:limit]
-    if sim.peak_bytes - sum(_output_bytes(model, i) for i in tried) > budget:
-        return None  # out of reach: stopping keeping an op lowers the peak by its output bytes at most
+    if sim.peak_bytes - sum(_held_bytes(model, i) for i in tried) > budget:
+        return None  # out of reach: stopping keeping an op lowers the peak by what it holds at most
     if steepest:
         return _steepest_drops(model, current, sim, budget, keep_x_gradients)
     excess = None  # of ``sim``, computed when a trial ties its peak
