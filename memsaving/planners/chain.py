@@ -158,8 +158,8 @@ def chain(model: GraphModel, cuts: Sequence[Sequence[int]], work_buffers: bool =
         cost[i + 1] = cost[i] + (op.cost if fwd else 0.0)
         reads[i + 1] = reads[i] + (sum(model.tensors[t].nbytes for t in op.grad_reads) if fwd else 0)
         if fwd:
-            held[i] = 2 * max([model.tensors[t].nbytes for t in op.outputs] + [0]) + work_buffers * max(op.temp_bytes,
-                                                                                         op.grad_temp_bytes)
+            work = max(op.temp_bytes, op.grad_temp_bytes) if work_buffers else 0
+            held[i] = 2 * max([model.tensors[t].nbytes for t in op.outputs] + [0]) + work
     kept = np.array([sum(model.tensors[t].nbytes for i in cut for t in model.ops[i].outputs) for cut in cuts],
                     dtype=float)
     anchor_cost = np.array([sum(model.ops[i].cost for i in cut if not recomputes_anchor(model.ops[i].type))

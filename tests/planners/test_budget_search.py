@@ -1,6 +1,8 @@
 """The single-level budget search (memsaving.planners.budget), without TensorFlow."""
 
-from memsaving.model.graph import GraphModel, OpInfo, TensorInfo
+from dataclasses import replace
+
+from memsaving.model.graph import GraphModel, OpInfo, TensorInfo, chain_model
 from memsaving.planners import budget as planner
 from memsaving.planners.chain import chain
 from memsaving.sim.simulate import simulate
@@ -63,10 +65,6 @@ def test_surrogate_peak_is_what_the_dp_keeps_within_its_budget():
 def test_the_surrogate_counts_the_work_buffer_of_the_op_that_holds_most():
     # a conv's gradient work buffer (tens of MiB on CPU) is in the simulated
     # peak; a surrogate without it thought plans fit that did not, round after round
-    from dataclasses import replace
-
-    from memsaving.model.graph import chain_model
-
     model = chain_model([100] * 6, grad_reads="input")
     ops = list(model.ops)
     ops[3] = replace(ops[3], grad_temp_bytes=5000)
