@@ -102,6 +102,13 @@ class OpInfo:
     seconds: Optional[float] = None
     grad_seconds: Optional[float] = None
 
+    @property
+    def work_buffer_bytes(self) -> int:
+        """The larger of the forward kernel's and the gradient's work
+        buffers: what running this op, either way, may add beyond the
+        tensors it reads and writes."""
+        return max(self.temp_bytes, self.grad_temp_bytes)
+
 
 @dataclass(frozen=True)
 class ProfileSummary:

@@ -158,7 +158,7 @@ def chain(model: GraphModel, cuts: Sequence[Sequence[int]], work_buffers: bool =
         cost[i + 1] = cost[i] + (op.cost if fwd else 0.0)
         reads[i + 1] = reads[i] + (sum(model.tensors[t].nbytes for t in op.grad_reads) if fwd else 0)
         if fwd:
-            work = max(op.temp_bytes, op.grad_temp_bytes) if work_buffers else 0
+            work = op.work_buffer_bytes if work_buffers else 0
             held[i] = 2 * max([model.tensors[t].nbytes for t in op.outputs] + [0]) + work
     kept = np.array([sum(model.tensors[t].nbytes for i in cut for t in model.ops[i].outputs) for cut in cuts],
                     dtype=float)

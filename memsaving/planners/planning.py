@@ -254,7 +254,7 @@ def make_plan(
         plain_seconds=plain.step_seconds,
         steps=steps,
         simulation=sim,
-        largest_work_buffer=max((max(op.temp_bytes, op.grad_temp_bytes) for op in model.ops), default=0),
+        largest_work_buffer=max((op.work_buffer_bytes for op in model.ops), default=0),
         **profile_fields(model),
     )
 
