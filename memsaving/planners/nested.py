@@ -70,6 +70,8 @@ def nested_dp(chain_: Chain, budget: float, buckets: int = 128) -> Optional[Tupl
     grid = np.arange(size)
     cost, memory = chain_.stretch_tables()
     need = np.ceil(memory / scale)  # buckets each stretch needs when recomputed whole
+    if not leaves_cover(need, kept, buckets):
+        return None  # no plan fits: skip the cubic tables
     # shifted[c, M] = M - kept[c]: where solve(c, b) is read after holding cut c
     shifted = grid[None, :] - kept[:, None]
     valid = shifted >= 0
@@ -146,6 +148,33 @@ def nested_dp(chain_: Chain, budget: float, buckets: int = 128) -> Optional[Tupl
     for a, b, memory in level_one:
         unfold(a, b, memory)
     return [b - 1 for _, b, _ in level_one], inner, float(top[0][buckets])
+
+
+def leaves_cover(need: np.ndarray, kept: np.ndarray, budget: float) -> bool:
+    """Whether every stretch between adjacent stages lies inside some
+    stretch ``(a, b]`` that fits ``budget`` when recomputed whole with stage
+    ``a`` held (``need[a, b] + kept[a]``).
+
+    Any plan of :func:`nested_dp` ends in leaves, stretches recomputed whole,
+    that together cover the chain, and each leaf runs while its first cut is
+    held; so when this is False the DP finds nothing.  It is much cheaper
+    than the DP's tables, and the budget searches try many budgets too small
+    for any plan.
+
+    Examples
+    --------
+    >>> need = np.array([[0, 3, 9], [0, 0, 4], [0, 0, 0]])  # three stages: 0, one cut, the end
+    >>> kept = np.array([0, 2, 0])
+    >>> leaves_cover(need, kept, 6)  # (0, 1] needs 3; (1, 2] needs 4 with cut 1 (2) held
+    True
+    >>> leaves_cover(need, kept, 5)  # (1, 2] fits in no leaf: 6 with the cut held, 9 as part of (0, 2]
+    False
+    """
+    stages = np.arange(len(kept))
+    fits = need + kept[:, None] <= budget  # fits[a, b]
+    x, a, b = stages[:, None, None], stages[None, :, None], stages[None, None, :]
+    covered = ((a <= x) & (b > x) & fits[None]).any(axis=(1, 2))
+    return bool(covered[:-1].all())  # every (x, x + 1]; the last stage starts no stretch
 
 
 def thinned_chain(model: GraphModel, candidates: Sequence, max_cuts: int = 40) -> Tuple[List[List[int]], Chain]:

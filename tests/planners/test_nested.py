@@ -7,6 +7,7 @@ from memsaving.planners.budget import plan_for_budget, select_for_budget
 from memsaving.planners.chain import chain
 from memsaving.errors import BudgetError
 from memsaving.model.graph import chain_model
+from memsaving.planners import nested
 from memsaving.planners.nested import nested_dp
 from memsaving.model.schedule import backward_units, kept_set, validate_inner
 from memsaving.sim.simulate import simulate
@@ -86,3 +87,22 @@ def test_multilevel_is_never_worse_than_single_level():
         both = plan_for_budget(model, list(range(49)), budget)
         single = plan_for_budget(model, list(range(49)), budget, multilevel=False)
         assert both.recompute_cost <= single.recompute_cost
+
+
+def test_the_dp_skips_only_budgets_it_finds_nothing_for(monkeypatch):
+    """nested_dp returns None without its tables when some stretch lies in
+    no leaf that fits (leaves_cover); over random chains and budgets from
+    far too small to ample, the full tables agree every time, and both
+    outcomes occur."""
+    outcomes = set()
+    for seed, reads in enumerate(("input", "output", "both") * 3):
+        summary = chain(_chain(30, seed=seed, reads=reads), [[i] for i in range(0, 29, 2)])
+        for budget in np.geomspace(0.02, 2.0, 25) * float(summary.kept.sum()):
+            quick = nested_dp(summary, budget)
+            with monkeypatch.context() as patched:
+                patched.setattr(nested, "leaves_cover", lambda *args: True)
+                full = nested_dp(summary, budget)
+            assert (quick is None) == (full is None), (seed, budget)
+            assert quick is None or quick == full
+            outcomes.add(quick is None)
+    assert outcomes == {True, False}, "the budgets must include some the DP solves and some it cannot"
