@@ -436,9 +436,10 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
             if producer >= 0 and ops[producer].type in ALIASING_OPS:
                 nbytes, value_bytes = 0, nbytes
             if producer < 0:
-                resident += _external_bytes(t, batch_size)
+                external = _external_bytes(t, batch_size)
+                resident += external
                 if t.dtype == tf.resource:
-                    value_bytes = _external_bytes(t, batch_size)
+                    value_bytes = external
             constant = producer < 0 and (t.op.type in ("Const", "VarHandleOp") or t.dtype == tf.resource)
             folds = key in folded
             if folds:
