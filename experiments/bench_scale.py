@@ -32,12 +32,19 @@ Kernel-temporary profiles are measured once per op signature and cached
 plan(memory) <= 0.3x, plan(budget) and the BudgetError (both columns)
 <= 0.5x, the memsaving trace <= 1.5x.
 
+``--repeat N`` measures every column N times per model, in rounds (each
+round measures each column once), and prints the medians and each round's
+ratios: single figures move by up to a third between measurements on this
+machine (a slow spell, a collection of the growing heap), so the targets
+are judged on medians.
+
 ``--plan-command`` also saves a keras.applications ResNet50V2 (weights=None,
 64x64) and times ``memsaving plan`` on it end to end in a new process
 (start-up, loading, profiling into an empty cache, tracing, planning;
 target: under 30 s).
 
-    python -m experiments.bench_scale [--models resnet152 densenet201 ...] [--batch 2] [--size 64] [--plan-command]
+    python -m experiments.bench_scale [--models resnet152 densenet201 ...] [--batch 2] [--size 64] [--repeat 3]
+        [--plan-command]
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -114,30 +122,49 @@ def count_forward_ops(model: keras.Model, spec: tf.TensorSpec) -> int:
     return len(graph.get_operations())
 
 
-def measure(name: str, batch: int, size: int) -> dict:
+def measure(name: str, batch: int, size: int, repeat: int = 1) -> dict:
+    """Every column for one model: the median of ``repeat`` rounds, each
+    round measuring every column once (so a slow spell of the machine
+    touches one sample of several columns, not every sample of one)."""
     model = MODELS[name](size)
     spec = input_spec(model, batch)
-    figures = {"model": name, "ops": count_forward_ops(model, spec)}
+    figures = {"model": name, "ops": count_forward_ops(model, spec),
+               "budget_fits": True, "error_raised": True, "near_miss_raised": True}
     _, cold = timed_plan(model, spec, checkpoints="memory")
-    figures["plain"] = trace_step(model, spec, tf.gradients)
-    memory_plan, figures["plan(memory)"] = timed_plan(model, spec, checkpoints="memory")
+    samples = {}
+    for _ in range(repeat):
+        for column, seconds in measure_round(name, model, spec, figures).items():
+            samples.setdefault(column, []).append(seconds)
+    for column, values in samples.items():
+        figures[column] = statistics.median(values)
+        figures[f"{column} samples"] = values
     figures["profiling"] = max(0.0, cold - figures["plan(memory)"])
+    return figures
+
+
+def measure_round(name: str, model: keras.Model, spec: tf.TensorSpec, figures: dict) -> dict:
+    """CPU seconds of every column, measured once; ``figures``' flags are
+    cleared when a plan that should be found is not, or an error that should
+    be raised is not."""
+    seconds = {"plain": trace_step(model, spec, tf.gradients)}
+    memory_plan, seconds["plan(memory)"] = timed_plan(model, spec, checkpoints="memory")
     budget = int(memory_plan.predicted_peak + 0.5 * (memory_plan.plain_peak - memory_plan.predicted_peak))
-    budget_plan, figures["plan(budget)"] = timed_plan(model, spec, checkpoints="memory", budget=budget)
-    figures["budget_fits"] = not isinstance(budget_plan, Exception)
-    if not figures["budget_fits"]:
+    budget_plan, seconds["plan(budget)"] = timed_plan(model, spec, checkpoints="memory", budget=budget)
+    if isinstance(budget_plan, Exception):
+        figures["budget_fits"] = False
         print(f"  {name}: plan(budget={budget}) raised {type(budget_plan).__name__}: {budget_plan}", flush=True)
-    error, figures["BudgetError"] = timed_plan(model, spec, checkpoints="memory", budget=1)
-    figures["error_raised"] = isinstance(error, memsaving.BudgetError)
-    floor = error.smallest_budget if figures["error_raised"] else None
+    error, seconds["BudgetError"] = timed_plan(model, spec, checkpoints="memory", budget=1)
+    raised = isinstance(error, memsaving.BudgetError)
+    figures["error_raised"] &= raised
+    floor = error.smallest_budget if raised else None
     near = max(1, floor - NEAR_MISS_BYTES) if floor else 1
-    miss, figures["near miss"] = timed_plan(model, spec, checkpoints="memory", budget=near)
-    figures["near_miss_raised"] = isinstance(miss, memsaving.BudgetError)
+    miss, seconds["near miss"] = timed_plan(model, spec, checkpoints="memory", budget=near)
+    figures["near_miss_raised"] &= isinstance(miss, memsaving.BudgetError)
     memsaving.clear_plan_cache()
     ours = lambda loss, xs: memsaving.gradients(loss, xs, checkpoints="memory")  # noqa: E731
-    figures["memsaving"] = trace_step(model, spec, ours)
-    figures["retrace"] = trace_step(model, spec, ours)
-    return figures
+    seconds["memsaving"] = trace_step(model, spec, ours)
+    seconds["retrace"] = trace_step(model, spec, ours)
+    return seconds
 
 
 NEAR_MISS_BYTES = 4 << 20
@@ -157,6 +184,11 @@ def report(rows) -> None:
             line += f"{r[column]:>16.1f}{ratio:>6.2f}{'' if ratio <= target else '!'}"
         line += f"{r['retrace']:>11.1f}{r['retrace'] / r['plain']:>6.2f}"
         print(line + f"{r['profiling']:>13.1f}")
+        if len(r["plain samples"]) > 1:
+            print("  ratios of each round: " + "; ".join(
+                f"{column} " + " ".join(f"{value / plain:.2f}" for value, plain in zip(r[f"{column} samples"],
+                                                                                     r["plain samples"]))
+                for column, _ in COLUMNS))
         if not (r["budget_fits"] and r["error_raised"] and r["near_miss_raised"]):
             print(f"  (budget plan found: {r['budget_fits']}; BudgetError raised: {r['error_raised']}; "
                   f"near miss raised it: {r['near_miss_raised']})")
@@ -184,13 +216,15 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds per model; each column is the median of its rounds (default 1)")
     parser.add_argument("--plan-command", action="store_true",
                         help="also time `memsaving plan` on a saved ResNet50V2 (batch 8, 64x64) end to end")
     args = parser.parse_args(argv)
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 20000))  # Keras walks a 1,600-layer model recursively
     rows = []
     for name in args.models:
-        rows.append(measure(name, args.batch, args.size))
+        rows.append(measure(name, args.batch, args.size, args.repeat))
         print(f"measured {name}", flush=True)
         keras.backend.clear_session()
     report(rows)
