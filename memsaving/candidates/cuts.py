@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 import networkx as nx
+import numpy as np
 
 from memsaving.model.graph import GraphModel
 from memsaving.model.parameters import parameter_ops
@@ -241,13 +242,14 @@ def sqrtn_sets(model: GraphModel, cuts: Sequence[Tuple[Sequence[int], int]], cou
     if count is None:
         count = max(1, int(round(len(cuts) ** 0.5)))
     count = min(count, len(cuts))
+    before = np.array([input_bytes for _, input_bytes in cuts], dtype=float)
     chosen = []
     start = 0
     for j in range(1, count + 1):
         if start >= len(cuts):
             break
         target = total * j / (count + 1)
-        best = min(range(start, len(cuts)), key=lambda k: abs(cuts[k][1] - target))
+        best = start + int(np.argmin(np.abs(before[start:] - target)))  # the first of the closest
         chosen.append(best)
         start = best + 1
     # The last cut, and the last cut across several branches, too: after it

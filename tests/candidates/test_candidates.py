@@ -1,6 +1,7 @@
 """Cut candidates on hand-made graph models (no TensorFlow graph)."""
 
 import networkx as nx
+import numpy as np
 import pytest
 
 from memsaving.candidates import cuts as candidates
@@ -89,3 +90,34 @@ def test_random_data_made_from_constants_is_not_a_parameter():
     model = GraphModel(ops, tensors, xs=[1], ys=[prev])
     assert 0 not in parameters.parameter_ops(model)
     assert candidates.memory_candidates(model), "the layers after the random input are candidates"
+
+
+def _closest_cuts(model, cuts, count):
+    """sqrtn_sets' choice restated: for each of ``count`` evenly spaced byte
+    targets, the first cut after the last chosen one of the smallest
+    distance to the target; then the last cut."""
+    total = model.activation_bytes() or 1
+    chosen, start = [], 0
+    for j in range(1, count + 1):
+        if start >= len(cuts):
+            break
+        target = total * j / (count + 1)
+        distances = [abs(cuts[k][1] - target) for k in range(start, len(cuts))]
+        best = start + distances.index(min(distances))
+        chosen.append(best)
+        start = best + 1
+    chosen.append(len(cuts) - 1)
+    return sorted({i for k in chosen for i in cuts[k][0]})
+
+
+def test_sqrtn_sets_picks_the_first_closest_cut_to_each_target():
+    """Byte positions with repeats (ties between equal cuts) and uneven
+    gaps; every count from one to all cuts."""
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        model = chain_model(list(rng.integers(100, 1000, 40)))
+        positions = np.sort(rng.choice(np.arange(0, model.activation_bytes(), 50), 30))
+        positions[5:8] = positions[5]  # three cuts at one position
+        cuts = [([k], int(at)) for k, at in enumerate(positions)]
+        for count in range(1, len(cuts) + 1):
+            assert candidates.sqrtn_sets(model, cuts, count) == _closest_cuts(model, cuts, count), (trial, count)
