@@ -38,19 +38,28 @@ ratios: single figures move by up to a third between measurements on this
 machine (a slow spell, a collection of the growing heap), so the targets
 are judged on medians.
 
+Each model is measured in a Python process of its own (``--in-process``
+measures them all in this one): a user traces one model per process, and
+a model measured after four large ones in one process planned 20-60%
+slower than the same model measured first (README, "Planning time on
+large graphs").  A model's columns are still measured side by side, in
+its process.
+
 ``--plan-command`` also saves a keras.applications ResNet50V2 (weights=None,
 64x64) and times ``memsaving plan`` on it end to end in a new process
 (start-up, loading, profiling into an empty cache, tracing, planning;
 target: under 30 s).
 
     python -m experiments.bench_scale [--models resnet152 densenet201 ...] [--batch 2] [--size 64] [--repeat 3]
-        [--plan-command]
+        [--plan-command] [--in-process]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import pathlib
 import resource
 import statistics
 import subprocess
@@ -195,6 +204,16 @@ def report(rows) -> None:
     print("targets: " + ", ".join(f"{c} <= {t}x plain" for c, t in COLUMNS) + "; '!' marks a miss")
 
 
+def measure_in_new_process(name: str, args: argparse.Namespace) -> dict:
+    """:func:`measure` of one model in a new Python process (this module
+    run with that model alone), its figures read back from a JSON file."""
+    out = pathlib.Path(tempfile.mkdtemp(prefix="memsaving-bench-scale-")) / "figures.json"
+    subprocess.run([sys.executable, "-m", "experiments.bench_scale", "--models", name, "--batch", str(args.batch),
+                    "--size", str(args.size), "--repeat", str(args.repeat), "--json", str(out)],
+                   check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())[0]
+
+
 def time_plan_command(batch: int = 8, size: int = 64) -> tuple:
     """Wall and CPU seconds of ``memsaving plan`` on a saved ResNet50V2, run
     in a new process with an empty kernel-profile cache."""
@@ -220,13 +239,21 @@ def main(argv=None) -> None:
                         help="rounds per model; each column is the median of its rounds (default 1)")
     parser.add_argument("--plan-command", action="store_true",
                         help="also time `memsaving plan` on a saved ResNet50V2 (batch 8, 64x64) end to end")
+    parser.add_argument("--in-process", action="store_true",
+                        help="measure every model in this process (default: each in a new process)")
+    parser.add_argument("--json", type=pathlib.Path, help=argparse.SUPPRESS)  # a child's figures, for its parent
     args = parser.parse_args(argv)
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 20000))  # Keras walks a 1,600-layer model recursively
     rows = []
     for name in args.models:
-        rows.append(measure(name, args.batch, args.size, args.repeat))
+        if args.in_process or len(args.models) == 1:
+            rows.append(measure(name, args.batch, args.size, args.repeat))
+            keras.backend.clear_session()
+        else:
+            rows.append(measure_in_new_process(name, args))
         print(f"measured {name}", flush=True)
-        keras.backend.clear_session()
+    if args.json:
+        args.json.write_text(json.dumps(rows))
     report(rows)
     if args.plan_command:
         wall, cpu = time_plan_command()
