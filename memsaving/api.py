@@ -19,10 +19,10 @@ from tensorflow.python.ops import control_flow_util, resource_variable_ops
 from tensorflow.python.ops import gradients_impl as _gradients_impl
 
 from memsaving.candidates import cuts as candidates
-from memsaving.planners.budget import parse_bytes, plan_for_budget
+from memsaving.planners.budget import format_bytes, parse_bytes, plan_for_budget
 from memsaving.tf.checkpoints import Checkpoints, resolve_checkpoints
 from memsaving.planners.modes import memory_proposal, speed_proposal
-from memsaving.errors import BudgetError, CheckpointError
+from memsaving.errors import BudgetError, CheckpointError, feasible_budget
 from memsaving import fit_budget as _calibration
 from memsaving.tf.extract import graph_model
 from memsaving.tf.forward import forward_graph, ops_made_in
@@ -38,6 +38,8 @@ from memsaving.sim.allowance import DEFAULT_PLANNING_SECONDS, planning_allowance
 from memsaving.sim.simulate import collector_paused
 from memsaving.sim.swap import swap_candidates
 from memsaving.tf.swap_rewrite import insert_swaps
+from memsaving.tf.split_rewrite import SplitEmitter
+from memsaving.planners.splits import auto_split, explicit_split
 
 logger = logging.getLogger("memsaving")
 
@@ -153,7 +155,14 @@ def gradients(
         (default 30, None for no limit), counted in replayed actions so that
         plans are the same on every machine (:mod:`memsaving.sim.allowance`);
         when it is spent the best plan found so far is used, and
-        ``Plan.explain()`` says so.
+        ``Plan.explain()`` says so; ``split``: ``{tensor_or_op: k}`` computes
+        the region of row-wise ops around each (from the op that makes the
+        tensor towards the loss, e.g. a language model's head and its
+        cross-entropy) in ``k`` pieces of rows (examples, or tokens), one
+        piece alive at a time, forward and backward; ``"auto"`` lets the
+        planner split where one op's footprint is what a budget cannot fit
+        (:mod:`memsaving.planners.splits`).  Gradients then equal
+        ``tf.gradients``' up to the order of float summation.
 
     Stateful ops (variable reads, random ops, calls with side effects) and
     control-flow ops are never recomputed; their outputs are kept.
@@ -245,13 +254,19 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
             "gradients.",
             stacklevel=2,
         )
-    with tf.name_scope(options.gradient.name):
+    # No cyclic collection while the step is planned and rewritten: a full
+    # collection walks the whole traced graph (most of a second on graphs of
+    # thousands of ops), and what the call allocates lives on in the graph.
+    with collector_paused(), tf.name_scope(options.gradient.name):
         ys, xs = _graph_tensors(ys, xs)
         grad_ys = _graph_grad_ys(grad_ys, ys)
         fwd, plan_ = _plan(ys, xs, checkpoints, budget, options, seeded_with_ones=all(g is None for g in grad_ys))
         _calibration.record_plan(plan_)  # memsaving.fit_to_budget collects the plans of the step it traces
         by_name = {op.name: op for op in fwd.ops}
+        emitters = [SplitEmitter(region, graph, plan_.batch_size or 1) for region in plan_.splits]
+        by_name.update({emitter.name: emitter for emitter in emitters})
         kept = {by_name[n] for n in plan_.kept_ops if n in by_name}
+        kept |= {t.op for emitter in emitters for t in emitter.outputs}
         kept |= {by_name[n] for names in plan_.inner_checkpoints.values() for n in names}
         steps = [(kind, by_name[anchor] if anchor else None, [by_name[n] for n in names])
                  for kind, anchor, names in plan_.steps]
@@ -260,6 +275,9 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
         with ops_made_in(graph) as made:
             zeros = options.gradient.unconnected_gradients == tf.UnconnectedGradients.ZERO
             result = builder.build(ys, grad_ys, xs, zeros)
+            for emitter in emitters:  # the regions' forward pieces, read instead of the whole ops
+                emitter.forward()
+                emitter.rewire()
         pin_loop_iterations(made)
         if plan_.swapped:
             by_tensor = {t.name: t for op in fwd.ops for t in op.outputs}
@@ -453,15 +471,14 @@ def _plan(ys, xs, checkpoints, budget, options: Options, seeded_with_ones: bool 
     planned_for = _calibration.planning_budget(budget)
     profile = _profile_mode(options.planner.profile, checkpoints, budget)
     model = graph_model(fwd, batch_size=batch_size, profile=profile, seeded_with_ones=seeded_with_ones,
-                        in_use_bytes=bytes_in_use())
+                        in_use_bytes=bytes_in_use(), rows=options.planner.split is not None)
     or_lowest = _calibration.planning_or_lowest()
     key = _cache_key(model, checkpoints, planned_for, options, or_lowest)
     plan_ = remembered(key, model) if key is not None else None
     if plan_ is None:
         with planning_allowance(options.planner.planning_time) as allowance:
             try:
-                with collector_paused():
-                    fwd, plan_ = _plan_for_model(fwd, model, checkpoints, planned_for, options, or_lowest)
+                fwd, plan_ = _plan_for_model(fwd, model, checkpoints, planned_for, options, or_lowest)
             except BudgetError as error:
                 if key is not None:
                     remember(key, model, error)
@@ -486,8 +503,11 @@ def _cache_key(model, checkpoints, budget, options: Options, or_lowest: bool):
     if not (isinstance(checkpoints, str) and checkpoints in ("memory", "speed")):
         return None
     # the batch size and the profiling mode shaped the model itself
+    if options.planner.split is not None and options.planner.split != "auto":
+        return None  # names tensors of one graph
     key = (model_key(model), checkpoints, budget, or_lowest, options.planner.keep_x_gradients,
-           options.planner.planning_time, options.hardware, options.swap.swap, options.swap.emit)
+           options.planner.planning_time, options.hardware, options.swap.swap, options.swap.emit,
+           options.planner.split)
     try:
         hash(key)
     except TypeError:  # swap= a list of tensors
@@ -497,7 +517,49 @@ def _cache_key(model, checkpoints, budget, options: Options, or_lowest: bool):
 
 def _plan_for_model(fwd, model, checkpoints, budget, options: Options, or_lowest: bool = False) -> tuple:
     """The plan for ``model`` (the sized graph model of ``fwd``); with ``or_lowest``, a budget
-    nothing fits gets the lowest plan found instead of a BudgetError."""
+    nothing fits gets the lowest plan found instead of a BudgetError.  With ``split``, the regions
+    it asks for (or that the planner chooses) are folded first (:mod:`memsaving.planners.splits`)."""
+    split = options.planner.split
+    if split is None:
+        return _unsplit_plan(fwd, model, checkpoints, budget, options, or_lowest)
+    if options.swap.on:
+        raise ValueError("split= cannot be combined with swap= yet: choose one of them")
+
+    def plan_model(candidate):
+        return _unsplit_plan(fwd, candidate, checkpoints, budget, options, or_lowest)[1]
+
+    if split == "auto":
+        return fwd, auto_split(model, plan_model, budget is not None)
+    seeds = _split_seeds(split, fwd, model, options.gradient.stop_gradients)
+    return fwd, plan_model(explicit_split(model, seeds))
+
+
+def _split_seeds(split: tuple, fwd, model, stop_gradients) -> list:
+    """``split=`` (checked pairs of op, tensor or name and pieces) as
+    ``[(op index, pieces), ...]`` of ``model``."""
+    index = model.op_index()
+    graph = tf.compat.v1.get_default_graph()
+    stopped = {getattr(t, "name", None) for t in stop_gradients}
+    seeds = []
+    for key, pieces in split:
+        if isinstance(key, str):
+            try:
+                key = graph.as_graph_element(key)
+            except (KeyError, ValueError):
+                key = None
+        op = key if isinstance(key, tf.Operation) else getattr(key, "op", None)
+        if op is None or op.name not in index or not fwd.contains_op(op):
+            raise CheckpointError(
+                f"split: {getattr(key, 'name', key)!r} names no op between xs and ys; give an op, a tensor's "
+                "ref() or a name of the forward pass that gradients flow through")
+        if any(t.name in stopped for t in op.outputs):
+            raise CheckpointError(f"cannot split {op.name}: its output is one of stop_gradients")
+        seeds.append((index[op.name], pieces))
+    return seeds
+
+
+def _unsplit_plan(fwd, model, checkpoints, budget, options: Options, or_lowest: bool = False) -> tuple:
+    """:func:`_plan_for_model` on a model whose regions, if any, are folded already."""
     keep_x = options.planner.keep_x_gradients
     swap = options.swap.swap
     if options.swap.on:
@@ -513,6 +575,14 @@ def _plan_for_model(fwd, model, checkpoints, budget, options: Options, or_lowest
                               cost=options.cost_model() if swapped else None)
     budget_bytes = parse_bytes(budget)
     pool, cut_bytes = _candidate_pool(checkpoints, fwd, model)
+    if not pool and model.splits:
+        # the step between xs and ys is split regions only: nothing left to choose
+        plan_ = make_plan(model, [], "budget", budget=budget_bytes, keep_x_gradients=keep_x)
+        if plan_.predicted_peak > budget_bytes and not or_lowest:
+            floor = feasible_budget(plan_.predicted_peak)
+            raise BudgetError(f"no plan fits the budget of {format_bytes(budget_bytes)}; the smallest feasible "
+                              f"budget found is {format_bytes(floor)} ({floor} bytes) with these split regions")
+        return fwd, plan_
     if not pool:
         raise CheckpointError(
             "budget= found no candidate checkpoint (the graph between xs and ys has no cut); "
@@ -537,6 +607,7 @@ def plan(
     stop_gradients=None,
     profile: Optional[bool] = None,
     planning_time: Optional[float] = DEFAULT_PLANNING_SECONDS,
+    split=None,
     **swap_kwargs,
 ) -> Plan:
     """The plan ``gradients`` would execute, with its predicted peak and compute.
@@ -563,6 +634,8 @@ def plan(
     planning_time
         the seconds of simulation the planner may spend, as for
         :func:`gradients` (default 30; None: no limit).
+    split
+        regions computed in pieces of rows, as for :func:`gradients`.
     **swap_kwargs
         ``swap`` and its options, as for :func:`gradients`.
 
@@ -600,9 +673,10 @@ def plan(
     _check_tensors(xs, "xs")
     options = parse_options({"stop_gradients": stop_gradients, "batch_size": batch_size,
                              "keep_x_gradients": keep_x_gradients, "profile": True if profile is None else profile,
-                             "planning_time": planning_time, **swap_kwargs})
+                             "planning_time": planning_time, "split": split, **swap_kwargs})
     ys, xs = _graph_tensors(ys, xs)
-    return _plan(ys, xs, checkpoints, budget, options)[1]
+    with collector_paused():
+        return _plan(ys, xs, checkpoints, budget, options)[1]
 
 
 def gradients_speed(ys, xs, grad_ys=None, **kwargs) -> list:

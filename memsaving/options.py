@@ -28,7 +28,7 @@ SWAP_KEYS = ("swap", "swap_device", "swap_trigger", "swap_lb", "swap_ub", "swap_
              "flops_per_second", "swap_backend")
 
 ACCEPTED_KEYWORDS = frozenset(PASSED_THROUGH + ("name", "stop_gradients", "unconnected_gradients", "batch_size")
-                              + SWAP_KEYS + ("profile", "follow_order", "planning_time"))
+                              + SWAP_KEYS + ("profile", "follow_order", "planning_time", "split"))
 """The keywords ``memsaving.gradients`` takes besides ys, xs, grad_ys, checkpoints and budget."""
 
 
@@ -70,6 +70,9 @@ class PlannerOptions:
     keep_x_gradients: bool = False
     profile: Optional[bool] = None
     planning_time: Optional[float] = DEFAULT_PLANNING_SECONDS
+    split: Any = None
+    """``split=``: None, ``"auto"``, or ``((op_or_tensor_or_name, pieces), ...)``
+    (:mod:`memsaving.planners.splits`)."""
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,41 @@ def _planner_options(keywords: Mapping[str, Any]) -> PlannerOptions:
         keep_x_gradients=bool(keywords.get("keep_x_gradients", False)),
         profile=None if profile is None else bool(profile),
         planning_time=_planning_time(keywords.get("planning_time", DEFAULT_PLANNING_SECONDS)),
+        split=_split(keywords.get("split")),
     )
+
+
+def _split(value) -> Any:
+    """``split=`` checked: None, ``"auto"``, or ``{key: pieces}`` (pieces an
+    int >= 2) as a tuple of ``(key, pieces)`` pairs.  A key is an op, a
+    tensor's ``ref()`` or a name (tensors cannot be dict keys); a list of
+    ``(tensor, pieces)`` pairs is taken too."""
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return value
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, (list, tuple)) and value and all(isinstance(p, (list, tuple)) and len(p) == 2
+                                                           for p in value):
+        pairs = [tuple(p) for p in value]
+    else:
+        pairs = None
+    if not pairs:
+        raise ValueError(f"split={value!r} is not supported: give split='auto' (the planner splits the ops that "
+                         "hold the most, when that helps), or {op_or_tensor_ref: pieces} such as "
+                         "{logits.op: 8} or {logits.ref(): 8} (a list of (tensor, pieces) pairs works too), "
+                         "or leave it out")
+    checked = []
+    for key, pieces in pairs:
+        if hasattr(key, "deref"):
+            key = key.deref()
+        label = getattr(key, "name", key)
+        if isinstance(pieces, bool) or not isinstance(pieces, (int, np.integer)) or pieces < 2:
+            raise ValueError(f"split: {label!r} is given {pieces!r} pieces; give an int >= 2")
+        if not isinstance(key, (tf.Tensor, tf.Operation, str)):
+            raise TypeError(f"split: keys must be ops, tensor refs (tensor.ref()) or names of the forward pass, "
+                            f"got {type(key).__name__}")
+        checked.append((key, int(pieces)))
+    return tuple(checked)
 
 
 def _planning_time(value) -> Optional[float]:

@@ -36,6 +36,10 @@ class TensorInfo:
     the life of the step function (the loss's seed passed back through
     gradients that read no data): part of the resident memory, allocated by
     no action."""
+    shape: Optional[Tuple[int, ...]] = None
+    """The static shape (unknown dimensions sized as the batch), when the
+    extractor was asked for shapes: splitting needs to know which tensors
+    have the rows a split region cuts (:mod:`memsaving.model.splitting`)."""
 
     @property
     def gradient_bytes(self) -> int:
@@ -101,6 +105,25 @@ class OpInfo:
     saved_bytes: int = 0
     seconds: Optional[float] = None
     grad_seconds: Optional[float] = None
+    row_splits: Tuple[Tuple[int, Tuple[int, ...]], ...] = ()
+    """Ways the op can be computed in pieces: ``(rows, positions)`` says
+    that row ``r`` of every output (its first dimensions, whose sizes
+    multiply to ``rows``) depends only on row ``r`` of the inputs at
+    ``positions`` and on its other inputs whole (a product's weight, a
+    bias).  Empty for ops that mix rows (a batch statistic, attention over
+    the sequence) or whose rows were not asked for
+    (:mod:`memsaving.model.splitting`)."""
+    chunks: int = 0
+    """For a split region's op (:mod:`memsaving.model.splitting`): the
+    pieces it runs in.  Its gradient recomputes each piece before
+    differentiating it, so the backward costs its forward once more."""
+
+    @property
+    def gradient_cost(self) -> float:
+        """Compute of the op's gradient: ``BACKWARD_COST_FACTOR`` times the
+        forward, plus the forward again for a split region, which
+        recomputes its pieces."""
+        return BACKWARD_COST_FACTOR * self.cost + (self.cost if self.chunks else 0.0)
 
     @property
     def work_buffer_bytes(self) -> int:
@@ -183,6 +206,12 @@ class GraphModel:
     ready_gradients_early: bool = False
     profile: Optional[ProfileSummary] = None
     """How kernel temporaries were profiled (None: never asked)."""
+    splits: Tuple[Any, ...] = ()
+    """The split regions this model computes in pieces, each one op of the
+    model (:class:`memsaving.model.splitting.SplitRegion`)."""
+    unfolded: Optional["GraphModel"] = field(default=None, repr=False, compare=False)
+    """The model before its regions were folded (what plain ``tf.gradients``
+    runs), when this one has split regions."""
     _derived: Dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def derived(self, name: str, compute: Callable[[], Any]) -> Any:
@@ -231,10 +260,10 @@ class GraphModel:
         return sum(op.cost for op in self.ops)
 
     def backward_cost(self) -> float:
-        """Compute of the backward pass: ``BACKWARD_COST_FACTOR`` times the
-        forward ops' cost.  With :meth:`forward_cost` it is what every plan
+        """Compute of the backward pass: each forward op's
+        :attr:`OpInfo.gradient_cost`.  With :meth:`forward_cost` it is what every plan
         pays; a plan only adds recomputation."""
-        return BACKWARD_COST_FACTOR * sum(op.cost for op in self.ops if op.forward)
+        return sum(op.gradient_cost for op in self.ops if op.forward)
 
     def activation_bytes(self) -> int:
         return sum(self.tensors[t].nbytes for op in self.ops if op.forward for t in op.outputs)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, TextIO, Tuple
 
 from memsaving.model.graph import GraphModel
+from memsaving.model.splitting import SplitRegion
 from memsaving.model.schedule import Inner, RECOMPUTING, UnitKind, backward_units, kept_set, validate_inner
 from memsaving.sim.simulate import Simulation, simulate
 from memsaving.sim.swap import CostModel
@@ -122,6 +123,9 @@ class Plan:
     """The plan was made earlier in this process for the same graph model
     and arguments, and handed back without planning again
     (:mod:`memsaving.planners.cache`)."""
+    splits: List[SplitRegion] = field(default_factory=list)
+    """The regions computed in pieces of rows (:mod:`memsaving.model.splitting`),
+    each one op of the plan (named ``split/...``)."""
     largest_work_buffer: int = 0
     """Bytes of the largest kernel temporary (work buffer) of any op of the
     step, forward or gradient, as profiled (0 when not profiled).  Every
@@ -146,6 +150,8 @@ class Plan:
             out.write(f", {inner} inner checkpoints (multi-level)")
         if self.swapped:
             out.write(f", {len(self.swapped)} tensors swapped to host")
+        if self.splits:
+            out.write(f", {len(self.splits)} regions split into pieces")
         out.write("\n")
         out.write(f"predicted peak {self.predicted_peak / mib:.1f} MiB "
                   f"(plain tf.gradients {self.plain_peak / mib:.1f} MiB, "
@@ -182,6 +188,13 @@ class Plan:
             shown = ", ".join(self.never_recomputed[:8])
             more = f" and {len(self.never_recomputed) - 8} more" if len(self.never_recomputed) > 8 else ""
             out.write(f"\nkept, never recomputed (stateful or random ops): {shown}{more}\n")
+        if self.splits:
+            out.write("\nsplit into pieces of rows, one piece alive at a time (forward and backward):\n")
+            out.write(f"{'region':40} {'ops':>4} {'rows':>7} {'pieces':>6} {'fwd MiB':>8} {'bwd MiB':>8}\n")
+            for region in self.splits:
+                name = region.name if len(region.name) <= 40 else "..." + region.name[-37:]
+                out.write(f"{name:40} {len(region.ops):>4} {region.rows:>7} {region.chunks:>6} "
+                          f"{region.forward_bytes / mib:>8.2f} {region.backward_bytes / mib:>8.2f}\n")
         if self.swapped:
             out.write("\nswapped to host (kept off the device between the passes):\n")
             out.write(f"{'tensor':50} {'MiB':>8} {'transfer ms':>12}\n")
@@ -218,7 +231,13 @@ def make_plan(
     inplace = bool(swapped) if inplace is None else inplace
     sim = simulate(model, kept=kept, keep_x_gradients=keep_x_gradients, inner=inner, swapped=swapped, cost=cost,
                    inplace=inplace)
-    plain = simulate(model, keep_x_gradients=keep_x_gradients, cost=cost, unpinned=True)
+    # plain tf.gradients runs the regions whole: its figures come from the model before folding
+    unsplit = model.unfolded or model
+    plain = simulate(unsplit, keep_x_gradients=keep_x_gradients, cost=cost, unpinned=True)
+    compute = sim.compute_ratio
+    if unsplit is not model:
+        compute = (sim.forward_cost + sim.backward_cost + sim.recompute_cost) / (
+            unsplit.forward_cost() + unsplit.backward_cost())
     segments = []
     steps = []
     for unit in backward_units(model, kept, inner, inplace=inplace):
@@ -241,7 +260,7 @@ def make_plan(
         segments=segments,
         predicted_peak=sim.peak_bytes,
         plain_peak=plain.peak_bytes,
-        predicted_compute=sim.compute_ratio,
+        predicted_compute=compute,
         budget=budget,
         resident_bytes=model.resident_bytes,
         inner_checkpoints={model.ops[a].name: [model.ops[i].name for i in v] for a, v in sorted(inner.items())},
@@ -255,6 +274,7 @@ def make_plan(
         steps=steps,
         simulation=sim,
         largest_work_buffer=max((op.work_buffer_bytes for op in model.ops), default=0),
+        splits=list(model.splits),
         **profile_fields(model),
     )
 

@@ -33,7 +33,7 @@ def op_action(op: OpInfo, label: str, reads: List[Key], writes: List[Tuple[Key, 
     peak of the gradient, which one of its kernels reached)."""
     if backward:
         seconds = op.grad_seconds / share if op.grad_seconds is not None else None
-        return Action(label, reads, writes, BACKWARD_COST_FACTOR * op.cost / share,
+        return Action(label, reads, writes, op.gradient_cost / share,
                       forwards_buffers=op.forwards_input, results=results, temp=op.grad_temp_bytes, seconds=seconds)
     return Action(label, reads, writes, op.cost, forwards_buffers=op.forwards_input, temp=op.temp_bytes,
                   seconds=op.seconds)

@@ -19,6 +19,7 @@ import tensorflow as tf
 from memsaving.tf.forward import ForwardGraph, is_copyable, is_trainable, topological_order
 from memsaving.model.buffers import Action, memory_replay
 from memsaving.model.graph import GraphModel, OpInfo, ProfileSummary, TensorInfo
+from memsaving.tf.rows import row_splits, static_shape
 
 EXTERNAL_OPS = frozenset({"Placeholder", "Const", "VarHandleOp", "NoOp"})
 ALIASING_OPS = frozenset({"ReadVariableOp", "Identity", "IdentityN", "Snapshot", "StopGradient", "Reshape",
@@ -56,6 +57,9 @@ constant, the data fed in, a ``StopGradient``) is built by tf.gradients but
 read by nothing, so the function runtime prunes it, and an operand only it
 reads is freed after the forward pass: Gelu's ``0.5 * x`` does not hold
 ``x``, nor attention's ``scores * scale`` the scores."""
+SOFTMAX_CROSS_ENTROPIES = frozenset({"SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"})
+"""Ops whose gradient with respect to the logits reads the softmax they
+output for it, not the logits (:func:`_grad_reads`)."""
 GRAD_READS_CONDITION = frozenset({"SelectV2"})
 """Ops whose gradient routes the incoming gradient by their first input (a
 boolean mask) and reads no value (the shapes it asks for are folded to
@@ -65,6 +69,10 @@ FORWARDS_INPUT_OPS = frozenset({
     "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Exp", "Log", "Neg", "Sqrt", "Rsqrt",
     "Square", "Abs", "Sin", "Cos", "Reciprocal", "Softplus", "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div",
     "Maximum", "Minimum", "SquaredDifference", "Pow", "BiasAdd", "AddN",
+    # the softmax cross-entropies write the softmax they keep for their
+    # gradient (their second output) into the logits' buffer when nothing
+    # else reads the logits
+    "SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits",
 })
 """Elementwise ops whose kernels, and whose gradients' kernels, write into
 an input's buffer when nothing else reads it (so ``tanh(matmul(x, w))``
@@ -253,6 +261,12 @@ def _grad_reads(op: tf.Operation, needed: Sequence[bool]) -> List[tf.Tensor]:
         positions = sorted({p for k, used in enumerate(needed) if used for p in by_input[k]})
         read = [op.inputs[p] for p in positions]
         return [t for t in read if is_trainable(t) and t.dtype != tf.resource]
+    if op.type in SOFTMAX_CROSS_ENTROPIES:
+        # the softmax kept for the gradient (second output); the logits only
+        # for the labels' gradient (log-softmax), which sparse labels lack
+        labels_gradient = op.type == "SoftmaxCrossEntropyWithLogits" and len(needed) > 1 and needed[1]
+        read = [op.outputs[1]] + ([op.inputs[0]] if labels_gradient else [])
+        return [t for t in read if is_trainable(t)]
     if op.type in GRAD_READS_NOTHING or _constant_power(op):
         return []  # a constant power's gradient reads a factor made in advance: _precomputed_factor
     if op.type in GRAD_READS_CONDITION:
@@ -374,7 +388,8 @@ def _folded_gradients(ops: Sequence[tf.Operation], differentiated: Set[tf.Operat
 
 
 def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional[int] = None,
-                profile: str = "off", seeded_with_ones: bool = True, in_use_bytes: int = 0) -> GraphModel:
+                profile: str = "off", seeded_with_ones: bool = True, in_use_bytes: int = 0,
+                rows: bool = False) -> GraphModel:
     """The neutral model of the step that computes ``fwd.ys``.
 
     Parameters
@@ -400,6 +415,10 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
         the gradient starts from ``tf.gradients``' default
         seed (no ``grad_ys``), so gradients of it that read no data are
         constants (:func:`_folded_gradients`).
+    rows : bool
+        also record each tensor's static shape and the rows each op
+        can be cut into (:func:`memsaving.tf.rows.row_splits`), which
+        splitting needs (left out otherwise: it costs time on every trace).
     """
     if profile not in PROFILE_MODES:
         raise ValueError(f"profile={profile!r}: use one of {PROFILE_MODES}")
@@ -444,7 +463,8 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
             folds = key in folded
             if folds:
                 folded_bytes += tensor_bytes(t, batch_size)
-            tensors[ids[key]] = TensorInfo(t.name, nbytes, producer, flows(t), constant, value_bytes, folds)
+            shape = static_shape(t, batch_size) if rows else None
+            tensors[ids[key]] = TensorInfo(t.name, nbytes, producer, flows(t), constant, value_bytes, folds, shape)
             if t.dtype == tf.variant:
                 variants.add(ids[key])
         return ids[key]
@@ -480,6 +500,8 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
             info = _with_profile(info, measured[op.name], tensors, variants)
         if op in differentiated and op not in customs:
             info = replace(info, saved_bytes=info.saved_bytes + _precomputed_factor(op, batch_size))
+        if rows:
+            info = replace(info, row_splits=row_splits(op, batch_size))
         if _cube(op):
             square = tensor_bytes(op.inputs[0], batch_size)
             info = replace(info, temp_bytes=max(info.temp_bytes, square))

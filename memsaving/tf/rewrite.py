@@ -47,6 +47,7 @@ from memsaving.tf.order import chain_gradient_groups, feeding_results, gradient_
 from memsaving.tf.extract import has_custom_gradient
 from memsaving.tf.forward import ForwardGraph, is_copyable, is_trainable, ops_made_in
 from memsaving.model.schedule import UnitKind, recomputes_anchor
+from memsaving.tf.split_rewrite import SplitEmitter
 
 GradientsFn = Callable[..., list]
 
@@ -170,9 +171,13 @@ class BackwardBuilder:
                 out_grads.append(g)
         return outs, out_grads
 
-    def unit(self, op: tf.Operation, ops: Sequence[tf.Operation]) -> None:
+    def unit(self, op, ops: Sequence[tf.Operation]) -> None:
         """Propagate the gradients of kept op ``op``'s outputs to its inputs
-        (``ops``: the segment to copy when ``op`` is copyable)."""
+        (``ops``: the segment to copy when ``op`` is copyable; ``op`` may
+        be a split region's :class:`~memsaving.tf.split_rewrite.SplitEmitter`)."""
+        if isinstance(op, SplitEmitter):
+            self._split_region(op)
+            return
         outs, out_grads = self._output_gradients(op)
         if not outs:
             return
@@ -185,6 +190,23 @@ class BackwardBuilder:
                 self.grads.add(handle, out_grads[0])
         else:
             self._pass_through(op, outs, out_grads)
+
+    def _split_region(self, region: SplitEmitter) -> None:
+        """Differentiate a split region piece by piece, once the gradients
+        of its outputs exist (:meth:`SplitEmitter.backward`)."""
+        out_grads = object_identity.ObjectIdentityDictionary()
+        for t in region.outputs:
+            g = self.grads.total(t) if is_trainable(t) else None
+            if g is not None:
+                out_grads[t] = g
+        if not out_grads:
+            return
+        self.segments += 1
+        results = region.backward(out_grads, self._wait_for(list(out_grads.values())), self.gradients_fn,
+                                  sources=self.sources, gradient_kwargs=self.gradient_kwargs)
+        for t, g in results.items():
+            self.grads.add(t, g)
+        self._unit_results(list(results.values()), waited=True)
 
     def _boundary(self, ops: Sequence[tf.Operation]) -> list:
         seen = object_identity.ObjectIdentitySet()

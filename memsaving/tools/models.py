@@ -61,6 +61,36 @@ def transformer(size: int = 64, layers: int = 4, dim: int = 128, heads: int = 4,
     return keras.Model(tokens, keras.layers.Dense(vocab)(h), name="transformer")
 
 
+class PositionEmbedding(keras.layers.Layer):
+    """Adds a learned vector per position to a sequence of embeddings."""
+
+    def build(self, input_shape):
+        self.positions = self.add_weight(shape=(input_shape[-2], input_shape[-1]), initializer="random_normal",
+                                         name="positions")
+
+    def call(self, inputs):
+        return inputs + self.positions
+
+
+def gpt(size: int = 256, layers: int = 4, dim: int = 256, heads: int = 4, vocab: int = 32000) -> keras.Model:
+    """A GPT-style causal language model over ``size`` tokens: token and
+    position embeddings, pre-norm blocks with causal attention, a final
+    LayerNormalization and a Dense head giving the logits of every token
+    over the vocabulary (``batch x size x vocab``: at a vocabulary of
+    32,000 they dwarf every activation of the blocks)."""
+    tokens = keras.Input((size,), dtype="int32")
+    h = PositionEmbedding()(keras.layers.Embedding(vocab, dim)(tokens))
+    for _ in range(layers):
+        a = keras.layers.LayerNormalization()(h)
+        a = keras.layers.MultiHeadAttention(heads, dim // heads)(a, a, use_causal_mask=True)
+        h = keras.layers.Add()([h, a])
+        f = keras.layers.LayerNormalization()(h)
+        f = keras.layers.Dense(4 * dim, activation="gelu")(f)
+        h = keras.layers.Add()([h, keras.layers.Dense(dim)(f)])
+    h = keras.layers.LayerNormalization()(h)
+    return keras.Model(tokens, keras.layers.Dense(vocab)(h), name="gpt")
+
+
 def residual_convnet(size: int = 32, blocks: int = 8, filters: tuple = (16, 32)) -> keras.Model:
     """A small ResNet: Conv2D + BatchNorm blocks with identity skips (``Add``).
 
@@ -129,6 +159,7 @@ BUILDERS: Dict[str, Callable[[int], keras.Model]] = {
     "mobilenet": lambda s: keras.applications.MobileNetV2(weights=None, input_shape=(s, s, 3), classes=10),
     "unet": unet,
     "transformer": transformer,
+    "gpt": gpt,
     "resnet50v2": lambda s: keras.applications.ResNet50V2(weights=None, input_shape=(s, s, 3), classes=10),
     "efficientnetb0": lambda s: keras.applications.EfficientNetB0(weights=None, input_shape=(s, s, 3), classes=10),
     "residual_convnet": residual_convnet,

@@ -1,0 +1,189 @@
+"""Splitting against the best plans without it: measured peaks, side by side.
+
+For each model, one training step (forward, gradients, the gradients
+reduced to a scalar in the step, as in the other benchmarks) is traced and
+run with:
+
+* ``plain``: ``tf.gradients``;
+* ``memory``: ``memsaving.gradients(checkpoints="memory")``, the plan of
+  lowest predicted peak the sqrt(n)-style search finds;
+* ``floor``: ``budget=`` the smallest budget the planner finds feasible
+  without splitting (its BudgetError for ``budget=1`` names it), plus 2%
+  and 2 MiB for the memory in use, which moves between traces: the lowest
+  unsplit plan, multi-level plans included;
+* ``split``: ``split="auto"`` with a budget that leaves 0.3 (GPT) or 0.8
+  (U-Net) of the lower of the two unsplit peaks *measured*, above the
+  memory the step starts with (weights, inputs): the planner splits what
+  stops that budget from fitting.
+
+Every row prints the predicted peak next to the measured one (the CPU's
+BFC allocator, weights and inputs included), the step time (median of
+``--repeat`` runs) and the largest relative difference of the gradients
+from ``tf.gradients``'.  The ratio column is the lowest unsplit measured
+peak over the row's.
+
+Models: ``gpt``, a GPT-style causal language model
+(:func:`memsaving.tools.models.gpt`: 4 blocks of width 256, 4 heads,
+vocabulary 32,000, 256 tokens, batch 8; its logits are 262 MB), trained on
+next-token cross-entropy; ``unet``, :func:`memsaving.tools.models.unet` at
+256x256, batch 8, on a mean-squared loss.
+
+    python -m experiments.bench_split [--models gpt unet] [--repeat 3] [--quick]
+
+``--quick`` shrinks both (vocabulary 4,000, 128 tokens; U-Net 128x128) to
+check the script in a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import memsaving  # noqa: F401  (sets up the allocator before TensorFlow)
+import keras
+import numpy as np
+import tensorflow as tf
+
+from memsaving.tools import models
+
+
+def gpt_case(quick: bool):
+    vocab, size = (4000, 128) if quick else (32000, 256)
+    model = models.gpt(size=size, layers=4, dim=256, heads=4, vocab=vocab)
+    rng = np.random.default_rng(0)
+    tokens = tf.constant(rng.integers(0, vocab, (8, size + 1)).astype(np.int32))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def loss_fn(inputs, targets):
+        logits = model(inputs, training=True)
+        return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(targets, logits, from_logits=True))
+
+    return model, (inputs, targets), loss_fn, 0.3
+
+
+def unet_case(quick: bool):
+    size = 128 if quick else 256
+    model = models.unet(size)
+    x = tf.random.stateless_normal((8, size, size, 3), seed=(0, 1))
+    y = tf.random.stateless_normal((8, size, size, 1), seed=(0, 2))
+
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.square(model(x, training=True) - y))
+
+    return model, (x, y), loss_fn, 0.8
+
+
+CASES = {"gpt": gpt_case, "unet": unet_case}
+
+
+def run(model, args, loss_fn, gradients, repeat: int):
+    """Trace and run the step with ``gradients(loss, variables)``; return the
+    plan it recorded, the measured peak, the median step time and the
+    gradients themselves."""
+    plans = []
+
+    @tf.function
+    def step(*args):
+        loss = loss_fn(*args)
+        grads, plan = gradients(loss, model.trainable_variables)
+        plans.append(plan)
+        return tf.add_n([tf.reduce_sum(tf.convert_to_tensor(g)) for g in grads])
+
+    step(*args)  # trace and warm up
+    peak = memsaving.measure_peak(step, *args)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        step(*args).numpy()
+        times.append(time.perf_counter() - start)
+
+    @tf.function
+    def values(*args):
+        return gradients(loss_fn(*args), model.trainable_variables)[0]
+
+    return plans[-1], peak, statistics.median(times), [tf.convert_to_tensor(g).numpy() for g in values(*args)]
+
+
+def plain_gradients(loss, xs):
+    return tf.gradients(loss, xs), memsaving.plan(loss, xs, checkpoints=[])
+
+
+def memsaving_gradients(**kwargs):
+    return lambda loss, xs: memsaving.gradients_and_plan(loss, xs, **kwargs)
+
+
+def smallest_budget(model, args, loss_fn) -> int:
+    """The smallest budget the planner finds feasible without splitting."""
+    found = {}
+
+    @tf.function
+    def probe(*args):
+        try:
+            memsaving.plan(loss_fn(*args), model.trainable_variables, checkpoints="memory", budget=1)
+        except memsaving.BudgetError as error:
+            found["floor"] = error.smallest_budget
+        return tf.constant(0)
+
+    probe.get_concrete_function(*args)
+    # the memory in use before the step, part of every prediction, moves
+    # between traces by up to a few MiB: the budget leaves that room
+    return int(found["floor"] * 1.02) + 2 * 2 ** 20
+
+
+def max_relative_difference(ours, plain) -> float:
+    worst = 0.0
+    for a, b in zip(ours, plain):
+        scale = max(float(np.abs(b).max()), 1e-30)
+        worst = max(worst, float(np.abs(a - b).max()) / scale)
+    return worst
+
+
+def measure(name: str, quick: bool, repeat: int) -> list:
+    model, args, loss_fn, fraction = CASES[name](quick)
+    mib = 2 ** 20
+    rows = []
+    plan, peak, seconds, reference = run(model, args, loss_fn, plain_gradients, repeat)
+    rows.append(("plain tf.gradients", plan.plain_peak, peak, seconds, 0.0, ""))
+    unsplit = []
+    for label, kwargs in (("memory", {"checkpoints": "memory"}),
+                          ("floor (budget, no split)", {"checkpoints": "memory",
+                                                        "budget": smallest_budget(model, args, loss_fn)})):
+        plan, peak, seconds, grads = run(model, args, loss_fn, memsaving_gradients(**kwargs), repeat)
+        rows.append((label, plan.predicted_peak, peak, seconds, max_relative_difference(grads, reference), ""))
+        unsplit.append(peak)
+    best = min(unsplit)
+    # a fraction of the best unsplit plan's memory above what the step
+    # starts with (weights and inputs, the same in every plan)
+    resident = plan.resident_bytes
+    budget = int(resident + fraction * (best - resident))
+    plan, peak, seconds, grads = run(model, args, loss_fn,
+                                     memsaving_gradients(checkpoints="memory", budget=budget, split="auto"), repeat)
+    regions = ", ".join(f"{r.name} ({len(r.ops)} ops, {r.chunks} pieces of {r.rows} rows)" for r in plan.splits)
+    rows.append((f"split='auto', budget {budget / mib:.0f} MiB", plan.predicted_peak, peak, seconds,
+                 max_relative_difference(grads, reference), regions))
+    print(f"\n{name}: {model.count_params():,} parameters; peaks include weights and inputs")
+    print(f"{'strategy':34} {'predicted MiB':>13} {'measured MiB':>13} {'best unsplit / it':>18} {'step s':>8} "
+          f"{'grad rel diff':>13}")
+    for label, predicted, measured, step_seconds, diff, note in rows:
+        print(f"{label:34} {predicted / mib:>13.1f} {measured / mib:>13.1f} {best / measured:>17.2f}x "
+              f"{step_seconds:>8.2f} {diff:>13.1e}")
+    for label, *_, note in rows:
+        if note:
+            print(f"  {label}: {note}")
+    keras.backend.clear_session()
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    for name in args.models:
+        measure(name, args.quick, args.repeat)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Choosing split regions (no TensorFlow): the third option beside keeping
+or recomputing a tensor, and swapping it.
+
+A split region (:mod:`memsaving.model.splitting`) lowers what one
+operation holds, which no choice of checkpoints can: the floor under every
+plan.  Splitting costs time (each piece is a kernel launch of its own, and
+the region's forward runs again in its gradient), so it is used only where
+it pays:
+
+* ``split={tensor_or_op: k}`` splits the regions grown around the ops
+  named, in ``k`` pieces, and the plan is made on the folded model;
+* ``split="auto"`` with a budget first plans without splitting; when no
+  plan fits, it splits the regions around the ops that hold the most by
+  themselves (:func:`memsaving.model.splitting.largest_splittable_ops`),
+  in 2, 4, 8... pieces, until a plan fits, and takes the plan that fits
+  with the fewest pieces; without a budget, it takes the split that gives
+  the lowest predicted peak, doubling the pieces while that lowers the
+  peak by more than :data:`WORTH_A_DOUBLING`.
+
+Every candidate is planned by the same planners and scored by the same
+simulator as the unsplit model.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from memsaving.errors import BudgetError, CheckpointError
+from memsaving.model.graph import GraphModel
+from memsaving.model.splitting import grow_region, largest_splittable_ops
+from memsaving.sim.split_regions import fold_regions
+
+Planner = Callable[[GraphModel], object]
+"""Plans a (possibly folded) model: returns a plan with a ``predicted_peak``,
+or raises :class:`~memsaving.errors.BudgetError`."""
+
+WORTH_A_DOUBLING = 0.02
+"""Without a budget, pieces are doubled while the predicted peak falls by
+more than this fraction."""
+
+MAX_PIECES = 64
+"""The most pieces ``"auto"`` cuts a region into (each is a kernel launch)."""
+
+SEEDS = 2
+"""Ops ``"auto"`` grows regions around: those holding the most by themselves."""
+
+
+def explicit_split(model: GraphModel, seeds: Sequence[Tuple[int, int]]) -> GraphModel:
+    """``model`` with a region grown around each seed op, ``(op, pieces)``,
+    folded.  Of the ways the seed can be cut into rows (the batch, or
+    batch and sequence for token-wise ops) the one whose region computes
+    the most (:func:`region_choice`) is taken.
+
+    Raises
+    ------
+    CheckpointError
+        a seed cannot be split (its op mixes rows, or its shapes are
+        unknown), or into that many pieces.
+    """
+    regions = []
+    taken = set()
+    for seed, pieces in seeds:
+        op = model.ops[seed]
+        if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 2:
+            raise CheckpointError(f"split={{{op.name}: {pieces!r}}}: give the number of pieces as an int >= 2")
+        choices = [choice for choice in region_choices(model, seed) if choice[1] >= pieces]
+        if not choices:
+            raise CheckpointError(_why_not(model, seed, pieces))
+        found, rows = max(choices, key=lambda choice: (_region_cost(model, choice[0]), choice[1]))
+        if taken.intersection(found):
+            raise CheckpointError(f"split: the region of {op.name} overlaps another region asked for; "
+                                  "name one op per region")
+        taken.update(found)
+        regions.append((found, rows, pieces))
+    return fold_regions(model, regions)
+
+
+def region_choices(model: GraphModel, seed: int) -> List[Tuple[Tuple[int, ...], int]]:
+    """The regions that can be grown around op ``seed``, one per number of
+    rows it can be cut into: ``[(ops, rows), ...]``."""
+    found = []
+    for rows, _ in model.ops[seed].row_splits:
+        region = grow_region(model, seed, rows)
+        if region is not None:
+            found.append((region, rows))
+    return found
+
+
+def _region_cost(model: GraphModel, ops: Sequence[int]) -> float:
+    return sum(model.ops[i].cost for i in ops)
+
+
+def _why_not(model: GraphModel, seed: int, pieces: int) -> str:
+    op = model.ops[seed]
+    if not op.row_splits:
+        return (f"cannot split {op.name} ({op.type}): it does not compute each row of its output (an example "
+                "of the batch, or a token) from the same row of its inputs, or its shapes are unknown; split a "
+                "token-wise or example-wise op (products with weights, elementwise ops, softmax, "
+                "cross-entropy, convolutions over the batch)")
+    if not op.copyable:
+        return f"cannot split {op.name} ({op.type}): it is stateful or random, so its pieces would differ"
+    most = max(rows for rows, _ in op.row_splits)
+    if pieces > most:
+        return f"cannot split {op.name} into {pieces} pieces: it has only {most} rows; ask for at most {most}"
+    return (f"cannot split {op.name}: it makes one of ys (a result must be the tensor you hold), or one of xs, "
+            "or its rows differ from its outputs'")
+
+
+def auto_split(model: GraphModel, plan: Planner, has_budget: bool):
+    """The plan of ``split="auto"`` (module docstring): unsplit when it fits
+    (or, without a budget, when no split lowers its peak).  Each seed is
+    tried with each way it can be cut into rows; with a budget, of the
+    splits that fit, the one that computes least wins."""
+    try:
+        best = plan(model)
+    except BudgetError as error:
+        if not has_budget:
+            raise
+        best, failure = None, error
+    if has_budget and best is not None:
+        return best
+    tried = set()
+    for seed, _ in largest_splittable_ops(model, SEEDS):
+        for region, rows in region_choices(model, seed):
+            if (region, rows) in tried:
+                continue  # the regions of two seeds are often the same
+            tried.add((region, rows))
+            found = _split_for(model, plan, region, rows, has_budget)
+            if found is not None and (best is None or _better(found, best, has_budget)):
+                best = found
+    if best is None:
+        raise failure
+    return best
+
+
+def _split_for(model: GraphModel, plan: Planner, region: Tuple[int, ...], rows: int,
+               has_budget: bool) -> Optional[object]:
+    """The plan of ``region`` cut into 2, 4, 8... pieces: with a budget, the
+    first that fits (None if none does); without, the lowest peak, doubling
+    while it falls by more than :data:`WORTH_A_DOUBLING`."""
+    best = None
+    pieces = 2
+    while pieces <= min(rows, MAX_PIECES):
+        try:
+            found = plan(fold_regions(model, [(region, rows, pieces)]))
+        except BudgetError:
+            found = None
+        if has_budget and found is not None:
+            return found
+        if not has_budget and found is not None:
+            if best is not None and found.predicted_peak > (1 - WORTH_A_DOUBLING) * best.predicted_peak:
+                break
+            if best is None or found.predicted_peak < best.predicted_peak:
+                best = found
+        pieces *= 2
+    return best
+
+
+def _better(found, best, has_budget: bool) -> bool:
+    if has_budget:
+        return found.predicted_compute < best.predicted_compute
+    return found.predicted_peak < (1 - WORTH_A_DOUBLING) * best.predicted_peak

@@ -1,0 +1,244 @@
+"""Emitting split regions in the TensorFlow graph.
+
+A split region (:mod:`memsaving.model.splitting`) is a run of ops computed
+in ``k`` pieces of rows.  For each region :class:`SplitEmitter` makes:
+
+* **the forward pieces**: the region's row inputs are reshaped so that
+  their rows lie in one first dimension (a view) and split into ``k``
+  pieces along it (views when the rows are aligned, as they are for float
+  activations); each piece runs a copy of the region's ops
+  (:func:`memsaving.tf.rows.piece_op`), the first ops of a piece waiting
+  for the previous piece's results, so one piece's tensors are alive at a
+  time; each region output is the concatenation of its pieces, reshaped
+  back;
+* **the backward pieces** (one backward unit): for each piece, the ops
+  are copied again from the pieces of the region's inputs once the
+  gradients of the region's outputs exist, differentiated with
+  ``tf.gradients`` against the pieces of those gradients, and the results
+  gathered: the gradients of whole inputs (weights) summed piece after
+  piece, those of row inputs concatenated;
+* **the rewiring**: every reader of a region output (the ops after the
+  region, the backward units that read it) reads the concatenated one, so
+  the original ops of the region are read by nothing and TensorFlow prunes
+  them: the region never runs whole.  Readers of the shape alone
+  (``Shape``, ``Size``, ``Rank``) of any tensor of the region read a
+  constant instead.
+
+The pieces' results equal the whole ops' up to the order of float
+summation (a weight gradient is a sum over rows, here summed piece by
+piece).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence
+
+import tensorflow as tf
+from tensorflow.python.util import object_identity
+
+from memsaving.model.splitting import METADATA_OPS, SplitRegion, row_dims
+from memsaving.tf.aggregation import producing_ops
+from memsaving.tf.forward import is_trainable
+from memsaving.tf.rows import metadata_value, piece_op, piece_shape, row_splits, static_shape
+
+
+def piece_sizes(rows: int, chunks: int) -> List[int]:
+    """Rows of each piece: as equal as can be, the larger ones first.
+
+    Examples
+    --------
+    >>> piece_sizes(10, 4)
+    [3, 3, 2, 2]
+    """
+    base, extra = divmod(rows, chunks)
+    return [base + 1 if c < extra else base for c in range(chunks)]
+
+
+class SplitEmitter:
+    """The TensorFlow side of one split region (module docstring)."""
+
+    def __init__(self, region: SplitRegion, graph: tf.Graph, batch_size: int = 1):
+        self.region = region
+        self.graph = graph
+        self.batch_size = batch_size
+        self.ops = [graph.get_operation_by_name(name) for name in region.ops]
+        self.members = set(self.ops)
+        tensor = graph.get_tensor_by_name
+        self.row_inputs = [tensor(name) for name in region.row_inputs]
+        self.whole_inputs = [tensor(name) for name in region.whole_inputs]
+        self.outputs = [tensor(name) for name in region.outputs]
+        self.sizes = piece_sizes(region.rows, region.chunks)
+        self.positions = {op: dict(row_splits(op, batch_size))[region.rows] for op in self.ops}
+        self.merged = object_identity.ObjectIdentityDictionary()
+        """Each region output -> its pieces concatenated (after :meth:`forward`)."""
+
+    @property
+    def name(self) -> str:
+        return self.region.name
+
+    # -- pieces -------------------------------------------------------------
+    def _rows_of(self, t: tf.Tensor, prefix: str) -> tf.Tensor:
+        """``t`` (a row tensor) with its rows in one first dimension (a view)."""
+        shape = static_shape(t, self.batch_size)
+        with tf.device(t.op.device or None):
+            return tf.reshape(t, [self.region.rows] + list(shape[row_dims(shape, self.region.rows):]),
+                              name=f"{prefix}rows")
+
+    def _piece_of(self, rows: tf.Tensor, c: int, prefix: str, waits: Sequence[tf.Operation] = ()) -> tf.Tensor:
+        """Piece ``c`` of ``rows`` (from :meth:`_rows_of`; a view when the rows
+        are aligned), made after ``waits``.  The slice waits, not the ops of
+        the piece or the constants they read: waits on those let Grappler's
+        constant folding and arithmetic optimizer close cycles."""
+        start = sum(self.sizes[:c])
+        rest = rows.shape.as_list()[1:]
+        with tf.device(rows.op.device or None):
+            piece = tf.slice(rows, [start] + [0] * len(rest), [self.sizes[c]] + rest, name=f"{prefix}piece_{c}")
+        if waits:
+            piece.op._add_control_inputs(list(waits))  # pylint: disable=protected-access
+        return piece
+
+    def _run_piece(self, c: int, pieces: Dict, prefix: str, whole: Optional[Dict] = None):
+        """Copies of the region's ops on piece ``c``: ``pieces`` maps each row
+        input to its piece, ``whole`` may map a whole input to the tensor to
+        read instead of it.  Returns the piece's tensors by original tensor."""
+        made = object_identity.ObjectIdentityDictionary()
+        n = self.sizes[c]
+        for op in self.ops:
+            positions = self.positions[op]
+            args = []
+            for k, t in enumerate(op.inputs):
+                if t in made:
+                    args.append(made[t])
+                elif k in positions:
+                    args.append(pieces[t])
+                else:
+                    args.append(whole[t] if whole is not None and t in whole else t)
+            with tf.device(op.device or None):
+                outs = piece_op(op, args, self.region.rows, n, self.batch_size, f"{prefix}{op.name}")
+            for original, piece in zip(op.outputs, outs):
+                made[original] = piece
+        return made
+
+    def _merge(self, pieces: List[tf.Tensor], like: tf.Tensor, name: str) -> tf.Tensor:
+        shape = static_shape(like, self.batch_size)
+        with tf.device(like.op.device or None):
+            whole = tf.concat(pieces, axis=0, name=f"{name}_concat")
+            return tf.reshape(whole, shape, name=f"{name}_merged")
+
+    # -- forward ------------------------------------------------------------
+    def forward(self, wait_for: Sequence[tf.Operation] = ()) -> None:
+        """Compute the region in pieces; :attr:`merged` holds its outputs."""
+        prefix = f"{_scope(self.name)}/forward/"
+        pieces = _by_tensor((t, []) for t in self.outputs)
+        rows = [self._rows_of(t, f"{prefix}{i}_") for i, t in enumerate(self.row_inputs)]
+        control = list(wait_for)
+        for c in range(self.region.chunks):
+            # piece c's rows are sliced once the piece before is done
+            inputs = _by_tensor((t, self._piece_of(r, c, f"{prefix}{i}_", control))
+                                for i, (t, r) in enumerate(zip(self.row_inputs, rows)))
+            made = self._run_piece(c, inputs, f"{prefix}piece_{c}/")
+            for t in self.outputs:
+                pieces[t].append(made[t])
+            control = [made[t].op for t in self.outputs]
+        for i, t in enumerate(self.outputs):
+            self.merged[t] = self._merge(pieces[t], t, f"{prefix}output_{i}")
+
+    # -- backward -----------------------------------------------------------
+    def backward(self, out_grads: Dict, wait_for: Sequence[tf.Operation], gradients_fn: Callable,
+                 sources: Optional[Dict] = None, gradient_kwargs: Optional[dict] = None) -> Dict:
+        """The gradients of the region's inputs (by input tensor) given those
+        of its outputs (``out_grads``, by output tensor), computed piece by
+        piece; the first piece waits on ``wait_for``.  ``sources`` maps a
+        forward tensor to the copy the backward pass should read instead."""
+        sources = sources or {}
+        gradient_kwargs = gradient_kwargs or {}
+        prefix = f"{_scope(self.name)}/backward/"
+        read = lambda t: sources.get(t, t) if sources else t  # noqa: E731
+        wanted_rows = [t for t in self.row_inputs if is_trainable(t)]
+        wanted_whole = [t for t in self.whole_inputs if is_trainable(t)]
+        rows = [self._rows_of(read(t), f"{prefix}{i}_") for i, t in enumerate(self.row_inputs)]
+        incoming = [(t, self._rows_of(g, f"{prefix}grad_{i}_")) for i, (t, g) in enumerate(out_grads.items())
+                    if g is not None]
+        whole = [read(t) for t in wanted_whole]
+        sums: List[Optional[tf.Tensor]] = [None] * len(wanted_whole)
+        slices: List[List] = [[] for _ in wanted_whole]
+        row_grads: List[List] = [[] for _ in wanted_rows]
+        control: List[tf.Operation] = list(wait_for)
+        for c in range(self.region.chunks):
+            # piece c's rows are sliced once the piece before is differentiated
+            inputs = _by_tensor((t, self._piece_of(r, c, f"{prefix}{i}_", control))
+                                for i, (t, r) in enumerate(zip(self.row_inputs, rows)))
+            made = self._run_piece(c, inputs, f"{prefix}piece_{c}/", _by_tensor(zip(wanted_whole, whole)))
+            ys = [made[t] for t, _ in incoming]
+            xs = [inputs[t] for t in wanted_rows] + whole
+            grad_ys = [self._piece_of(r, c, f"{prefix}grad_{k}_") for k, (_, r) in enumerate(incoming)]
+            results = gradients_fn(ys, xs, grad_ys=grad_ys, **gradient_kwargs)
+            results_rows, results_whole = results[:len(wanted_rows)], results[len(wanted_rows):]
+            finished = []
+            for k, g in enumerate(results_rows):
+                row_grads[k].append(g)
+                if g is not None:
+                    finished.append(g)
+            for k, g in enumerate(results_whole):
+                if g is None:
+                    continue
+                if isinstance(g, tf.IndexedSlices):
+                    slices[k].append(g)
+                    finished.append(g.values)
+                    continue
+                with tf.device(g.op.device or None):
+                    sums[k] = g if sums[k] is None else tf.add(sums[k], g, name=f"{prefix}sum_{k}_{c}")
+                finished.append(sums[k])
+            control = [op for g in finished for op in producing_ops(g)] or control
+        found = object_identity.ObjectIdentityDictionary()
+        for t, pieces in zip(wanted_rows, row_grads):
+            if any(g is None for g in pieces):
+                continue
+            found[t] = self._merge([tf.convert_to_tensor(g) for g in pieces], t, f"{prefix}grad_of_{_scope(t.name)}")
+        for k, t in enumerate(wanted_whole):
+            if slices[k]:
+                total = tf.IndexedSlices(tf.concat([s.values for s in slices[k]], 0),
+                                         tf.concat([s.indices for s in slices[k]], 0), slices[k][0].dense_shape)
+                found[t] = total if sums[k] is None else tf.add(sums[k], tf.convert_to_tensor(total))
+            elif sums[k] is not None:
+                found[t] = sums[k]
+        return found
+
+    # -- rewiring -----------------------------------------------------------
+    def rewire(self) -> None:
+        """Point every reader of a region output outside the region at its
+        concatenated pieces, and every reader of a region tensor's shape
+        at a constant (module docstring)."""
+        for t in self.outputs:
+            merged = self.merged[t]
+            for consumer in list(t.consumers()):
+                if consumer in self.members:
+                    continue
+                for index, value in enumerate(consumer.inputs):
+                    if value is t:
+                        consumer._update_input(index, merged)  # pylint: disable=protected-access
+        for op in self.ops:
+            for t in op.outputs:
+                for consumer in list(t.consumers()):
+                    if consumer.type in METADATA_OPS and consumer not in self.members:
+                        value = metadata_value(consumer, self.batch_size)
+                        if value is None:
+                            continue
+                        for reader in list(consumer.outputs[0].consumers()):
+                            for index, v in enumerate(reader.inputs):
+                                if v is consumer.outputs[0]:
+                                    reader._update_input(index, value)  # pylint: disable=protected-access
+
+
+def _by_tensor(pairs) -> object_identity.ObjectIdentityDictionary:
+    """A dictionary keyed by tensors (which are not hashable) from ``pairs``."""
+    found = object_identity.ObjectIdentityDictionary()
+    for key, value in pairs:
+        found[key] = value
+    return found
+
+
+def _scope(name: str) -> str:
+    """A name made safe for a name scope."""
+    return "".join(ch if ch.isalnum() or ch in "_-." else "_" for ch in name)
+
