@@ -120,31 +120,41 @@ def auto_split(model: GraphModel, plan: Planner, has_budget: bool):
     if has_budget and best is not None:
         return best
     tried = set()
+    floors = []  # the smallest budgets the failed splits report
     for seed, _ in largest_splittable_ops(model, SEEDS):
         for region, rows in region_choices(model, seed):
             if (region, rows) in tried:
                 continue  # the regions of two seeds are often the same
             tried.add((region, rows))
-            found = _split_for(model, plan, region, rows, has_budget)
+            found = _split_for(model, plan, region, rows, has_budget, floors)
             if found is not None and (best is None or _better(found, best, has_budget)):
                 best = found
     if best is None:
+        floor = min((f for f in floors if f), default=None)
+        unsplit = failure.smallest_budget
+        if floor is not None and (unsplit is None or floor < unsplit):
+            raise BudgetError(
+                f"no plan fits the budget, even with split regions (split='auto'); the smallest feasible budget "
+                f"found is {floor / 2 ** 20:.1f} MiB ({floor} bytes) with them, {(unsplit or 0) / 2 ** 20:.1f} MiB "
+                "without. Raise the budget, or reduce the batch size.") from failure
         raise failure
     return best
 
 
 def _split_for(model: GraphModel, plan: Planner, region: Tuple[int, ...], rows: int,
-               has_budget: bool) -> Optional[object]:
+               has_budget: bool, floors: List[int]) -> Optional[object]:
     """The plan of ``region`` cut into 2, 4, 8... pieces: with a budget, the
-    first that fits (None if none does); without, the lowest peak, doubling
+    first that fits (None if none does; the smallest budgets the failures
+    report are added to ``floors``); without, the lowest peak, doubling
     while it falls by more than :data:`WORTH_A_DOUBLING`."""
     best = None
     pieces = 2
     while pieces <= min(rows, MAX_PIECES):
         try:
             found = plan(fold_regions(model, [(region, rows, pieces)]))
-        except BudgetError:
+        except BudgetError as error:
             found = None
+            floors.append(error.smallest_budget)
         if has_budget and found is not None:
             return found
         if not has_budget and found is not None:

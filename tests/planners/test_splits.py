@@ -177,8 +177,10 @@ def test_auto_split_only_when_the_budget_needs_it():
     assert not roomy.splits
     tight = auto_split(model, budget_plan(unsplit.predicted_peak // 2), has_budget=True)
     assert tight.splits and tight.predicted_peak <= unsplit.predicted_peak // 2
-    with pytest.raises(BudgetError):
+    with pytest.raises(BudgetError, match="even with split regions") as error:
         auto_split(model, budget_plan(1), has_budget=True)
+    # the floor reported is the split plans', below the unsplit one
+    assert error.value.smallest_budget < unsplit.predicted_peak // 2
 
 
 def test_auto_split_without_budget_lowers_the_peak():
