@@ -32,7 +32,8 @@ next-token cross-entropy; ``unet``, :func:`memsaving.tools.models.unet` at
 
     python -m experiments.bench_split [--models gpt unet] [--repeat 3] [--quick]
 
-``--quick`` shrinks both (vocabulary 4,000, 128 tokens; U-Net 128x128) to
+Each model is measured in a Python process of its own (the allocator
+keeps memory a model measured before left behind).  ``--quick`` shrinks both (vocabulary 4,000, 128 tokens; U-Net 128x128) to
 check the script in a minute.
 """
 
@@ -40,6 +41,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import time
 
 import memsaving  # noqa: F401  (sets up the allocator before TensorFlow)
@@ -189,8 +192,12 @@ def main(argv=None) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
-    for name in args.models:
-        measure(name, args.quick, args.repeat)
+    if len(args.models) == 1:
+        measure(args.models[0], args.quick, args.repeat)
+        return
+    for name in args.models:  # each in a process of its own: the allocator keeps what a model left
+        subprocess.run([sys.executable, "-m", "experiments.bench_split", "--models", name, "--repeat",
+                        str(args.repeat)] + (["--quick"] if args.quick else []), check=True)
 
 
 if __name__ == "__main__":

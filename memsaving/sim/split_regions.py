@@ -24,6 +24,12 @@ from memsaving.sim.actions import forward_actions
 from memsaving.sim.simulate import simulate
 
 
+KERNEL_LAUNCH_SECONDS = 5e-6
+"""What one more kernel launch costs (a few microseconds on a GPU): a
+region in ``k`` pieces launches each of its ops ``k`` times forward, and
+recomputes and differentiates each piece (about three launches per op)."""
+
+
 def piece_figures(model: GraphModel, ops: Sequence[int], rows: int, chunks: int) -> Tuple[int, int]:
     """What the region holds while it runs, beyond its inputs and its
     put-together outputs: ``(forward, backward)`` bytes.
@@ -120,6 +126,7 @@ def _folded_op(model: GraphModel, ops: Tuple[int, ...], rows: int, chunks: int) 
     largest = max(ops, key=lambda i: (sum(model.tensors[t].nbytes for t in model.ops[i].outputs), -i))
     name = f"split/{model.ops[largest].name}"
     inputs = tuple(dict.fromkeys(row_in + whole_in))
+    launches = KERNEL_LAUNCH_SECONDS * len(members) * (chunks - 1)
     timed = all(op.seconds is not None for op in members)
     grad_timed = timed and all(op.grad_seconds is not None for op in members if op.forward)
     op = OpInfo(
@@ -128,9 +135,10 @@ def _folded_op(model: GraphModel, ops: Tuple[int, ...], rows: int, chunks: int) 
         # every piece is recomputed from the region's inputs, whatever their kind
         grad_reads=tuple(t for t in inputs if model.tensors[t].producer >= 0),
         cost=sum(op.cost for op in members), temp_bytes=forward_bytes, grad_temp_bytes=backward_bytes,
-        seconds=sum(op.seconds for op in members) if timed else None,
+        # measured times of the whole ops, plus a launch per op and piece
+        seconds=sum(op.seconds for op in members) + launches if timed else None,
         grad_seconds=(sum(op.grad_seconds or 0.0 for op in members) + sum(op.seconds for op in members)
-                      if grad_timed else None),
+                      + 3 * launches if grad_timed else None),
         chunks=chunks)
     names = lambda ids: tuple(model.tensors[t].name for t in ids)  # noqa: E731
     region = SplitRegion(name, tuple(op.name for op in members), rows, chunks, names(row_in), names(whole_in),
