@@ -23,6 +23,13 @@ run by each newly traced train function are measured on the allocator, and
 when a peak is above the budget the margin is raised by the excess and
 the step is traced (and planned) again, as :func:`memsaving.fit_to_budget`
 does for a hand-written step (see :class:`_Calibrator`).
+
+With ``offload_params=True`` the model's variables and the optimizer's
+state live on a host device (``offload_device``): they are moved there
+before the train function is built, every weight is copied to the
+accelerator before its forward use and again before its backward use, and
+the optimizer's update runs on the host (:mod:`memsaving.offload`).
+``disable`` moves them back to the default device.
 """
 
 from __future__ import annotations
@@ -44,7 +51,11 @@ from memsaving.fit_budget import (MEASURED_STEPS, Calibration, CalibrationRound,
                                   next_margin, nothing_lower_to_try, planning_budget_for, predicted_figures,
                                   why_nothing_fits)
 from memsaving.api import gradients_and_plan
+from memsaving.offload import offload_step, step_model
+from memsaving.tf.forward import ops_made_in
 from memsaving.tf.measure import default_device, peak_bytes, reset_peak
+from memsaving.tf.offload import OffloadOptions
+from memsaving.tf.placement import bytes_of, place_optimizer, place_variables, same_device
 from memsaving.planners.planning import Plan
 from memsaving.options import parse_options
 from memsaving.sim.allowance import DEFAULT_PLANNING_SECONDS
@@ -64,6 +75,8 @@ def enable(
     verbose: bool = True,
     calibration_rounds: int = 4,
     planning_time: Optional[float] = DEFAULT_PLANNING_SECONDS,
+    offload_params: bool = False,
+    offload_device: str = "/CPU:0",
 ) -> keras.Model:
     """Make ``model.fit`` / ``train_on_batch`` compute gradients with memsaving.
 
@@ -104,6 +117,16 @@ def enable(
     planning_time : float or None
         the seconds of simulation each plan may spend, as for
         :func:`memsaving.gradients` (default 30; None: no limit).
+    offload_params : bool
+        keep the model's variables and the optimizer's state on
+        ``offload_device`` and copy each weight to the accelerator right
+        before its forward use and again before its backward use; the
+        optimizer's update runs there too (:mod:`memsaving.offload`).  The
+        plan's ``offload`` field holds the predicted device peak and step
+        time.  Training is unchanged, to the bit.
+    offload_device : str
+        the host device (default ``"/CPU:0"``); the accelerator is the
+        first GPU (the CPU on a machine without one).
 
     XLA (``jit_compile=True``) schedules the whole step itself and would
     ignore the recomputation order, so it is turned off for this model
@@ -138,6 +161,10 @@ def enable(
         raise ValueError(f"calibration_rounds={calibration_rounds!r}: give an int >= 0, how many measured "
                          "plans may be above the budget in a row (0 turns measuring off)")
     parse_options({"planning_time": planning_time})  # a bad value fails here, not at the first step
+    offload = OffloadOptions(device=offload_device) if offload_params else None
+    if offload is not None and same_device(offload_device, default_device()):
+        logger.warning("memsaving.keras.enable: offload_device %s is the accelerator itself; the weights are "
+                       "copied but no memory is saved", offload_device)
     calibrator = None
     if budget is not None and calibration_rounds:
         calibrator = _Calibrator(parse_bytes(budget), calibration_rounds)  # a bad budget fails here
@@ -150,6 +177,7 @@ def enable(
         "verbose": verbose,
         "planning_time": planning_time,
         "calibrator": calibrator,
+        "offload": offload,
         "jit_compile": previous["jit_compile"] if previous else model.jit_compile,
     }
     object.__setattr__(model, _SETTINGS, settings)
@@ -159,6 +187,11 @@ def enable(
     object.__setattr__(model, "train_step", types.MethodType(_train_step, model))
     object.__setattr__(model, "fit", types.MethodType(_fit, model))
     object.__setattr__(model, "train_on_batch", types.MethodType(_train_on_batch, model))
+    object.__setattr__(model, "make_train_function", types.MethodType(_make_train_function, model))
+    if previous is not None and previous.get("offload") is not None and offload is None:
+        _place(model, "/" + default_device())  # offloaded by an earlier enable()
+    if offload is not None:
+        _place(model, offload.device)
     model.train_function = None  # rebuilt by the next fit / train_on_batch
     return model
 
@@ -166,8 +199,10 @@ def enable(
 def disable(model: keras.Model) -> keras.Model:
     """Undo :func:`enable`: Keras' own train step, fit, train_on_batch and jit_compile setting."""
     settings = model.__dict__.pop(_SETTINGS, None)
-    for name in ("train_step", "fit", "train_on_batch", _PLAN):
+    for name in ("train_step", "fit", "train_on_batch", "make_train_function", _PLAN):
         model.__dict__.pop(name, None)
+    if settings is not None and settings.get("offload") is not None:
+        _place(model, "/" + default_device())
     if settings is not None and settings["jit_compile"] is not None:
         model.jit_compile = settings["jit_compile"]
     model.train_function = None
@@ -411,6 +446,42 @@ def _fit(self: keras.Model, *args, **kwargs):
     return original(self, *args, **kwargs)
 
 
+def _place(model: keras.Model, device: str) -> None:
+    """Move the model's variables, and its optimizer's, to ``device``
+    (:mod:`memsaving.tf.placement`).  Variables not created yet (an
+    unbuilt model) are moved when the train function is made."""
+    moved = place_variables(model.variables, device)
+    if getattr(model, "optimizer", None) is not None:
+        moved += place_optimizer(model.optimizer, device)
+    if moved:
+        logger.info("memsaving.keras: %d variables of %s moved to %s", moved, model.name, device)
+
+
+def _build_on(model: keras.Model, x: Any, device: str) -> None:
+    """Build a model not built yet with its variables on ``device``.
+
+    Keras builds such a model (a subclassed one, without a distribution
+    strategy) at its first call, inside the traced train step, so its
+    variables would be made on the accelerator.  A symbolic call under
+    ``tf.device(device)`` makes them first: Keras creates them when the
+    call's stateless scope ends, lifted out of the trace with the device of
+    the scope around it, and the forward ops of the symbolic call are
+    thrown away."""
+    symbolic = keras.tree.map_structure(
+        lambda t: None if t is None else keras.KerasTensor(t.shape, dtype=t.dtype.name), x)
+    with tf.device(device):
+        model(symbolic)
+
+
+def _make_train_function(self: keras.Model, force: bool = False):
+    """Keras' ``make_train_function``, with the variables moved to the host first when offloading:
+    the model and its optimizer are built by then, and the function not traced yet."""
+    offload = self.__dict__[_SETTINGS].get("offload")
+    if offload is not None:
+        _place(self, offload.device)
+    return type(self).make_train_function(self, force=force)
+
+
 def _train_on_batch(self: keras.Model, x, *args, **kwargs):
     """``train_on_batch`` that records how many rows the step gets (and measures it while calibrating)."""
     rows = _num_rows(x)
@@ -649,6 +720,9 @@ def _train_step(self: keras.Model, data):
 
     settings = self.__dict__[_SETTINGS]
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    offload = settings.get("offload")
+    if offload is not None and not self.built:
+        _build_on(self, x, offload.device)
     if self._call_has_training_arg:  # pylint: disable=protected-access
         y_pred = self(x, training=True)
     else:
@@ -664,7 +738,9 @@ def _train_step(self: keras.Model, data):
         weights = self.trainable_weights
         unknown_size, batch, source = _plan_batch(self, x, settings)
         calibrator = settings["calibrator"]
-        with budget_margin(calibrator.margin, calibrator.or_lowest) if calibrator else contextlib.nullcontext():
+        graph = tf.compat.v1.get_default_graph()
+        with budget_margin(calibrator.margin, calibrator.or_lowest) if calibrator else contextlib.nullcontext(), \
+                ops_made_in(graph) as made:
             grads, plan = gradients_and_plan(
                 loss, weights, checkpoints=settings["checkpoints"], budget=settings["budget"],
                 batch_size=unknown_size, swap=settings["swap"] or None,
@@ -676,8 +752,13 @@ def _train_step(self: keras.Model, data):
         plan.batch_source = source
         if calibrator:
             calibrator.traced(plan)
+        with tf.device(offload.device) if offload is not None else contextlib.nullcontext():
+            self.optimizer.apply_gradients(zip(grads, weights))
+        if offload is not None:  # after the update: the optimizer's slots exist (a first step builds them)
+            offload_step(made, [g for g in grads if g is not None] + [loss], offload,
+                         model=step_model([loss], weights, unknown_size), plan=plan,
+                         slot_bytes=bytes_of(self.optimizer.variables), graph=graph)
         _report(self, plan, settings)
-        self.optimizer.apply_gradients(zip(grads, weights))
     else:
         warnings.warn("The model does not have any trainable weights.")
     return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -693,6 +774,9 @@ def _report(model: keras.Model, plan: Plan, settings: dict) -> None:
             f"{len(plan.checkpoints)} checkpoints, predicted peak "
             f"{plan.predicted_peak / mib:.1f} MiB (plain {plan.plain_peak / mib:.1f} MiB), "
             f"compute {plan.predicted_compute:.2f}x")
+    if plan.offload is not None:
+        line += (f"; parameters on the host: device peak {plan.offload.peak_bytes / mib:.1f} MiB predicted, "
+                 f"step {plan.offload.step_seconds * 1e3:.2f} ms under the cost model")
     logger.info(line)
     if new_batch and settings["verbose"]:
         print(line)

@@ -56,6 +56,7 @@ TOP_LEVEL: Dict[str, str] = {
     "memsaving.fit_budget": "api",
     "memsaving.patching": "api",
     "memsaving.keras": "api",
+    "memsaving.offload": "api",
     "memsaving.errors": "model",  # every layer raises these
     "memsaving.__main__": "tools",
 }

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence, TextIO, Tuple
 from memsaving.model.graph import GraphModel
 from memsaving.model.splitting import SplitRegion
 from memsaving.model.schedule import Inner, RECOMPUTING, UnitKind, backward_units, kept_set, validate_inner
+from memsaving.sim.offload import OffloadPrediction
 from memsaving.sim.simulate import Simulation, simulate
 from memsaving.sim.swap import CostModel
 
@@ -132,6 +133,11 @@ class Plan:
     op runs in every plan, so no plan's peak goes below it: on a device
     whose convolution kernels take a large work buffer, it is the floor
     that recomputation cannot lower."""
+    offload: Optional[OffloadPrediction] = field(default=None, repr=False)
+    """With parameters offloaded to the host (``offload_params``): the
+    device's predicted peak and step time (:mod:`memsaving.sim.offload`).
+    ``predicted_peak`` stays the plan's peak with the variables on the
+    device."""
 
     def explain(self, file: Optional[TextIO] = None) -> str:
         """Print a readable table of the plan (to ``file``, default stdout) and return it."""
@@ -174,6 +180,13 @@ class Plan:
         if self.planning_stopped is not None:
             out.write(f"\nplanning stopped at planning_time={self.planning_stopped:g} s of simulation: the best "
                       "plan found by then (a larger planning_time, or None, searches further)")
+        if self.offload is not None:
+            offload = self.offload
+            out.write(f"\nparameters offloaded to the host: {offload.offloaded_bytes / mib:.1f} MiB of variables"
+                      + (f" and {offload.slot_bytes / mib:.1f} MiB of optimizer state" if offload.slot_bytes else "")
+                      + f"; predicted device peak {offload.peak_bytes / mib:.1f} MiB "
+                      f"({offload.resident_bytes / mib:.1f} MiB resident), {offload.copied_bytes / mib:.1f} MiB "
+                      f"copied to the device per step, step {offload.step_seconds * 1e3:.3f} ms under the cost model")
         out.write(f"\npredicted compute {self.predicted_compute:.2f}x a plain step")
         if self.predicted_seconds is not None and self.plain_seconds:
             out.write(f"; predicted step time {self.predicted_seconds / self.plain_seconds:.2f}x plain "
