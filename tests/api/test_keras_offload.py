@@ -131,6 +131,7 @@ def test_variables_and_optimizer_state_live_on_the_host_and_updates_run_there():
         metadata = context.context().export_run_metadata()
     finally:
         context.context().disable_run_metadata()
+        context.context().disable_graph_collection()  # else TensorFlow goes on collecting every function's graphs
     graphs = [g.post_optimization_graph for g in metadata.function_graphs  # this model's step alone
               if any(n.name.startswith(model.name + "_") and "/offload/" in n.name
                      for n in g.post_optimization_graph.node)]

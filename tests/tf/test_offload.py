@@ -137,6 +137,7 @@ def test_copies_survive_grappler_on_their_devices_and_updates_run_on_the_host():
         metadata = context.context().export_run_metadata()
     finally:
         context.context().disable_run_metadata()
+        context.context().disable_graph_collection()  # else TensorFlow goes on collecting every function's graphs
     mine = f"{report['reads'][0].read.name}/offload/forward_gate"  # the step's graph, not an earlier test's
     graphs = [g.post_optimization_graph for g in metadata.function_graphs
               if any(n.name == mine for n in g.post_optimization_graph.node)]
