@@ -38,6 +38,7 @@ from memsaving.sim.allowance import DEFAULT_PLANNING_SECONDS, planning_allowance
 from memsaving.sim.simulate import collector_paused
 from memsaving.sim.swap import swap_candidates
 from memsaving.tf.swap_rewrite import insert_swaps
+from memsaving.offload import offload_step
 from memsaving.tf.split_rewrite import SplitEmitter
 from memsaving.planners.splits import auto_split, explicit_split
 
@@ -151,6 +152,13 @@ def gradients(
         that carry control edges differently, and in half precision the
         gradients would then round differently from tf.gradients'); with
         ``swap`` it is always off (the swaps order the step themselves);
+        ``offload_params``: True for variables that live on a host device,
+        ``offload_device`` (default ``"/CPU:0"``; create them under
+        ``tf.device``): each is copied to the accelerator right before its
+        forward use and again before its backward use, each copy freed after
+        its readers (:mod:`memsaving.offload`); apply the gradients under
+        ``tf.device(offload_device)`` so the update runs on the host too;
+        the plan's ``offload`` holds the predicted device peak and step time;
         ``planning_time``: the seconds of simulation the planner may spend
         (default 30, None for no limit), counted in replayed actions so that
         plans are the same on every machine (:mod:`memsaving.sim.allowance`);
@@ -260,7 +268,8 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
     with collector_paused(), tf.name_scope(options.gradient.name):
         ys, xs = _graph_tensors(ys, xs)
         grad_ys = _graph_grad_ys(grad_ys, ys)
-        fwd, plan_ = _plan(ys, xs, checkpoints, budget, options, seeded_with_ones=all(g is None for g in grad_ys))
+        fwd, plan_, model = _plan(ys, xs, checkpoints, budget, options,
+                                  seeded_with_ones=all(g is None for g in grad_ys))
         _calibration.record_plan(plan_)  # memsaving.fit_to_budget collects the plans of the step it traces
         by_name = {op.name: op for op in fwd.ops}
         emitters = [SplitEmitter(region, graph, plan_.batch_size or 1) for region in plan_.splits]
@@ -283,6 +292,9 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
             by_tensor = {t.name: t for op in fwd.ops for t in op.outputs}
             insert_swaps(made, [by_tensor[n] for n in plan_.swapped],
                          options.swap.emit, options.swap.backend, forward=fwd.ops)
+        if options.offload.on:
+            offload_step(list(made), [g for g in result if g is not None] + list(ys), options.offload.emit,
+                         model=model, plan=plan_, cost=options.cost_model(), graph=graph)
     logger.info(
         "memsaving.gradients: %d forward ops, %d checkpoints, %d segments, %d ops recomputed; "
         "predicted peak %.1f MiB (plain %.1f MiB)",
@@ -462,8 +474,9 @@ def _profile_mode(profile, checkpoints, budget) -> str:
 
 
 def _plan(ys, xs, checkpoints, budget, options: Options, seeded_with_ones: bool = True) -> tuple:
-    """Forward graph and plan shared by ``gradients`` and ``plan``
-    (``seeded_with_ones``: no ``grad_ys`` were given)."""
+    """Forward graph, plan and the graph model it was made on, shared by
+    ``gradients`` and ``plan`` (``seeded_with_ones``: no ``grad_ys`` were
+    given)."""
     check_checkpoints_argument(checkpoints)
     fwd = forward_graph(xs, ys, list(options.gradient.stop_gradients))
     batch_size = options.planner.batch_size
@@ -492,7 +505,7 @@ def _plan(ys, xs, checkpoints, budget, options: Options, seeded_with_ones: bool 
         plan_.budget = parse_bytes(budget)  # the budget asked for; the predicted peak fits the lower one
     plan_.batch_size = batch_size
     plan_.batch_source = "batch_size=" if options.planner.batch_size_given else ""
-    return fwd, plan_
+    return fwd, plan_, model
 
 
 def _cache_key(model, checkpoints, budget, options: Options, or_lowest: bool):

@@ -1,10 +1,11 @@
 """The keywords of ``memsaving.gradients`` and ``memsaving.plan``, parsed once.
 
 Each keyword is checked here, before any graph work, and travels on in one
-of four small frozen records instead of a ``**kwargs`` dict: what
+of five small frozen records instead of a ``**kwargs`` dict: what
 ``tf.gradients`` itself takes (:class:`GradientOptions`), how the plan is
 sized (:class:`PlannerOptions`), the device's speeds
-(:class:`HardwareOptions`) and host swapping (:class:`SwapSettings`).
+(:class:`HardwareOptions`), host swapping (:class:`SwapSettings`) and
+parameter offloading (:class:`OffloadSettings`).
 Defaults come from the records the options configure (:class:`SwapOptions`,
 :class:`CostModel`), so each is written once.
 """
@@ -19,6 +20,7 @@ import tensorflow as tf
 
 from memsaving.sim.allowance import DEFAULT_PLANNING_SECONDS
 from memsaving.sim.swap import CostModel
+from memsaving.tf.offload import OffloadOptions
 from memsaving.tf.swap_rewrite import SwapOptions
 
 PASSED_THROUGH = ("gate_gradients", "aggregation_method", "colocate_gradients_with_ops")
@@ -27,8 +29,10 @@ PASSED_THROUGH = ("gate_gradients", "aggregation_method", "colocate_gradients_wi
 SWAP_KEYS = ("swap", "swap_device", "swap_trigger", "swap_lb", "swap_ub", "swap_fuse", "bandwidth",
              "flops_per_second", "swap_backend")
 
+OFFLOAD_KEYS = ("offload_params", "offload_device")
+
 ACCEPTED_KEYWORDS = frozenset(PASSED_THROUGH + ("name", "stop_gradients", "unconnected_gradients", "batch_size")
-                              + SWAP_KEYS + ("profile", "follow_order", "planning_time", "split"))
+                              + SWAP_KEYS + OFFLOAD_KEYS + ("profile", "follow_order", "planning_time", "split"))
 """The keywords ``memsaving.gradients`` takes besides ys, xs, grad_ys, checkpoints and budget."""
 
 
@@ -98,6 +102,20 @@ class SwapSettings:
 
 
 @dataclass(frozen=True)
+class OffloadSettings:
+    """Parameter offloading (``offload_params``): None when off, else where
+    the variables live and how their copies are timed (the swap-in timing
+    keywords, ``swap_trigger``, ``swap_lb``, ``swap_ub``, ``swap_fuse``,
+    time them too)."""
+
+    emit: Optional[OffloadOptions] = None
+
+    @property
+    def on(self) -> bool:
+        return self.emit is not None
+
+
+@dataclass(frozen=True)
 class Options:
     """Every keyword of one call, parsed."""
 
@@ -105,6 +123,7 @@ class Options:
     planner: PlannerOptions
     hardware: HardwareOptions
     swap: SwapSettings
+    offload: OffloadSettings = OffloadSettings()
 
     def cost_model(self) -> CostModel:
         """Speeds and swap timing for the simulator (swaps start ``swap_lb``
@@ -128,6 +147,7 @@ def parse_options(keywords: Mapping[str, Any]) -> Options:
             bandwidth=float(keywords.get("bandwidth") or HardwareOptions.bandwidth),
         ),
         swap=_swap_settings(keywords),
+        offload=_offload_settings(keywords),
     )
 
 
@@ -239,3 +259,22 @@ def _swap_distance(keywords: Mapping[str, Any], key: str, default: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{key} must be an int number of topological levels (default {default}), got {value!r}")
     return int(value)
+
+
+def _offload_settings(keywords: Mapping[str, Any]) -> OffloadSettings:
+    offload = keywords.get("offload_params")
+    if offload is None or offload is False:
+        return OffloadSettings()
+    if offload is not True:
+        raise ValueError(f"offload_params={offload!r}: pass True (variables and optimizer state on the host "
+                         "device, offload_device) or leave it out")
+    if keywords.get("split") is not None:
+        raise ValueError("split= cannot be combined with offload_params= yet: choose one of them")
+    defaults = OffloadOptions()
+    return OffloadSettings(OffloadOptions(
+        device=keywords.get("offload_device") or defaults.device,
+        trigger=keywords.get("swap_trigger") or defaults.trigger,
+        lb=_swap_distance(keywords, "swap_lb", defaults.lb),
+        ub=_swap_distance(keywords, "swap_ub", defaults.ub),
+        fuse=bool(keywords.get("swap_fuse", defaults.fuse)),
+    ))

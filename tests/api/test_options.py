@@ -42,6 +42,18 @@ def test_swap_options_are_read_only_when_swapping():
         parse_options({"swap": True, "swap_lb": 5, "swap_ub": 2})
 
 
+def test_offload_keywords_are_parsed_with_the_swap_timing():
+    assert not parse_options({}).offload.on and not parse_options({"offload_params": False}).offload.on
+    emit = parse_options({"offload_params": True, "offload_device": "/CPU:1", "swap_lb": 2,
+                          "swap_trigger": "chain"}).offload.emit
+    assert (emit.device, emit.lb, emit.trigger) == ("/CPU:1", 2, "chain")
+    assert parse_options({"offload_params": True}).offload.emit.device == "/CPU:0"
+    with pytest.raises(ValueError, match="offload_params"):
+        parse_options({"offload_params": "yes"})
+    with pytest.raises(ValueError, match="cannot be combined"):
+        parse_options({"offload_params": True, "split": "auto"})
+
+
 def test_tf_gradients_keywords_pass_through():
     options = parse_options({"gate_gradients": True, "colocate_gradients_with_ops": True, "name": "g",
                              "unconnected_gradients": "zero", "follow_order": np.bool_(False)})
@@ -56,7 +68,7 @@ def test_every_accepted_keyword_is_parsed():
     parsed_fields = {"name", "unconnected_gradients", "stop_gradients", "follow_order", "batch_size", "profile",
                      "swap", "swap_device", "swap_trigger", "swap_lb", "swap_ub", "swap_fuse", "swap_backend",
                      "bandwidth", "flops_per_second", "gate_gradients", "aggregation_method",
-                     "colocate_gradients_with_ops", "planning_time"}
+                     "colocate_gradients_with_ops", "planning_time", "split", "offload_params", "offload_device"}
     assert ACCEPTED_KEYWORDS == parsed_fields
 
 
