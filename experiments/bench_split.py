@@ -13,10 +13,12 @@ run with:
   unsplit plan, multi-level plans included;
 * ``split (lowest)``: ``split="auto"`` without a budget: the split of
   lowest predicted peak;
-* ``split, budget``: ``split="auto"`` with a budget that leaves a third
-  (GPT) or 0.8 (U-Net) of the lower of the two unsplit peaks *measured*,
-  above the memory the step starts with (weights, inputs): the planner
-  splits what stops that budget from fitting, in as few pieces as fit.
+* ``split, budget``: ``split="auto"`` with a budget that leaves the step,
+  above the memory it starts with (weights, inputs), 0.95 of a third (GPT:
+  3x below, with 5% for the measured peak to exceed the prediction) or 0.8
+  (U-Net) of what the lower of the two unsplit peaks *measured* adds: the
+  planner splits what stops that budget from fitting, in as few pieces as
+  fit.
 
 Every row prints the predicted peak next to the measured one (the CPU's
 BFC allocator, weights and inputs included), the step time (median of
@@ -64,7 +66,7 @@ def gpt_case(quick: bool):
         logits = model(inputs, training=True)
         return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(targets, logits, from_logits=True))
 
-    return model, (inputs, targets), loss_fn, 1 / 3
+    return model, (inputs, targets), loss_fn, 0.95 / 3
 
 
 def unet_case(quick: bool):

@@ -262,10 +262,7 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
             "gradients.",
             stacklevel=2,
         )
-    # No cyclic collection while the step is planned and rewritten: a full
-    # collection walks the whole traced graph (most of a second on graphs of
-    # thousands of ops), and what the call allocates lives on in the graph.
-    with collector_paused(), tf.name_scope(options.gradient.name):
+    with tf.name_scope(options.gradient.name):
         ys, xs = _graph_tensors(ys, xs)
         grad_ys = _graph_grad_ys(grad_ys, ys)
         fwd, plan_, model = _plan(ys, xs, checkpoints, budget, options,
@@ -491,7 +488,8 @@ def _plan(ys, xs, checkpoints, budget, options: Options, seeded_with_ones: bool 
     if plan_ is None:
         with planning_allowance(options.planner.planning_time) as allowance:
             try:
-                fwd, plan_ = _plan_for_model(fwd, model, checkpoints, planned_for, options, or_lowest)
+                with collector_paused():
+                    fwd, plan_ = _plan_for_model(fwd, model, checkpoints, planned_for, options, or_lowest)
             except BudgetError as error:
                 if key is not None:
                     remember(key, model, error)
@@ -688,8 +686,7 @@ def plan(
                              "keep_x_gradients": keep_x_gradients, "profile": True if profile is None else profile,
                              "planning_time": planning_time, "split": split, **swap_kwargs})
     ys, xs = _graph_tensors(ys, xs)
-    with collector_paused():
-        return _plan(ys, xs, checkpoints, budget, options)[1]
+    return _plan(ys, xs, checkpoints, budget, options)[1]
 
 
 def gradients_speed(ys, xs, grad_ys=None, **kwargs) -> list:

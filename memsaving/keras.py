@@ -77,6 +77,7 @@ def enable(
     planning_time: Optional[float] = DEFAULT_PLANNING_SECONDS,
     offload_params: bool = False,
     offload_device: str = "/CPU:0",
+    split=None,
 ) -> keras.Model:
     """Make ``model.fit`` / ``train_on_batch`` compute gradients with memsaving.
 
@@ -127,6 +128,12 @@ def enable(
     offload_device : str
         the host device (default ``"/CPU:0"``); the accelerator is the
         first GPU (the CPU on a machine without one).
+    split : None or "auto"
+        ``"auto"``: split the operations that hold the most into pieces
+        of rows when the budget cannot fit otherwise (without a budget,
+        when that lowers the predicted peak), as for
+        :func:`memsaving.gradients` (``split=``); not with
+        ``offload_params`` yet.
 
     XLA (``jit_compile=True``) schedules the whole step itself and would
     ignore the recomputation order, so it is turned off for this model
@@ -160,7 +167,13 @@ def enable(
     if isinstance(calibration_rounds, bool) or not isinstance(calibration_rounds, int) or calibration_rounds < 0:
         raise ValueError(f"calibration_rounds={calibration_rounds!r}: give an int >= 0, how many measured "
                          "plans may be above the budget in a row (0 turns measuring off)")
-    parse_options({"planning_time": planning_time})  # a bad value fails here, not at the first step
+    if split is not None and split != "auto":
+        raise ValueError(f"memsaving.keras.enable(split={split!r}): give split='auto' (the planner splits what a "
+                         "budget cannot fit otherwise) or leave it out; name ops to split with "
+                         "memsaving.gradients(..., split={op: pieces}) in a custom training step")
+    # bad values fail here, not at the first step
+    parse_options({"planning_time": planning_time, "split": split,
+                   "offload_params": offload_params or None, "offload_device": offload_device})
     offload = OffloadOptions(device=offload_device) if offload_params else None
     if offload is not None and same_device(offload_device, default_device()):
         logger.warning("memsaving.keras.enable: offload_device %s is the accelerator itself; the weights are "
@@ -176,6 +189,7 @@ def enable(
         "batch_size": batch_size,
         "verbose": verbose,
         "planning_time": planning_time,
+        "split": split,
         "calibrator": calibrator,
         "offload": offload,
         "jit_compile": previous["jit_compile"] if previous else model.jit_compile,
@@ -744,7 +758,7 @@ def _train_step(self: keras.Model, data):
             grads, plan = gradients_and_plan(
                 loss, weights, checkpoints=settings["checkpoints"], budget=settings["budget"],
                 batch_size=unknown_size, swap=settings["swap"] or None,
-                planning_time=settings["planning_time"],
+                planning_time=settings["planning_time"], split=settings["split"],
             )
         if calibrator:
             calibrator.check_lowest(self, plan)

@@ -35,8 +35,9 @@ Planner = Callable[[GraphModel], object]
 or raises :class:`~memsaving.errors.BudgetError`."""
 
 WORTH_A_DOUBLING = 0.02
-"""Without a budget, pieces are doubled while the predicted peak falls by
-more than this fraction."""
+"""Without a budget, pieces are doubled while the memory the step adds
+(the predicted peak less the memory in use before it) falls by more than
+this fraction."""
 
 MAX_PIECES = 64
 """The most pieces ``"auto"`` cuts a region into (each is a kernel launch)."""
@@ -158,7 +159,7 @@ def _split_for(model: GraphModel, plan: Planner, region: Tuple[int, ...], rows: 
         if has_budget and found is not None:
             return found
         if not has_budget and found is not None:
-            if best is not None and found.predicted_peak > (1 - WORTH_A_DOUBLING) * best.predicted_peak:
+            if best is not None and _added(found) > (1 - WORTH_A_DOUBLING) * _added(best):
                 break
             if best is None or found.predicted_peak < best.predicted_peak:
                 best = found
@@ -169,4 +170,11 @@ def _split_for(model: GraphModel, plan: Planner, region: Tuple[int, ...], rows: 
 def _better(found, best, has_budget: bool) -> bool:
     if has_budget:
         return found.predicted_compute < best.predicted_compute
-    return found.predicted_peak < (1 - WORTH_A_DOUBLING) * best.predicted_peak
+    return _added(found) < (1 - WORTH_A_DOUBLING) * _added(best)
+
+
+def _added(plan) -> int:
+    """What a plan's step adds to the memory in use before it: the part a
+    split can lower (the rest, weights and whatever the device holds, is
+    the same in every plan)."""
+    return plan.predicted_peak - plan.resident_bytes

@@ -260,7 +260,11 @@ def test_keras_mixed_precision_policies(policy, tolerance):
 
 @pytest.mark.parametrize("policy, rtol, conv", [
     pytest.param("mixed_float16", 1e-3, False, id="mixed_float16-dense"),
-    pytest.param("mixed_float16", 1e-3, True, id="mixed_float16-conv"),
+    # float16 convolutions recomputed by another kernel than the forward's
+    # (Grappler fuses them differently) round differently: after two SGD
+    # steps at 0.05 the first kernel differed by up to 1.7e-3, in some test
+    # orders only (the plan follows the profiled kernel times)
+    pytest.param("mixed_float16", 3e-3, True, id="mixed_float16-conv"),
     pytest.param("mixed_bfloat16", 1e-2, True, id="mixed_bfloat16-conv"),
 ])
 def test_keras_enable_with_mixed_precision_policies(policy, rtol, conv):
