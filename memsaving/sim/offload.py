@@ -258,16 +258,8 @@ def simulate_offload(
     True
     """
     cost = cost or CostModel()
-    if kept is None:
-        kept = kept_set(model, checkpoint_ops)
-    swapped = sorted(set(swapped))
-    if units is None:
-        units = backward_units(model, kept, inner, inplace=bool(swapped))
     handles = variable_handles(model) if handles is None else sorted(set(handles))
-    pinned = {("g", x) for x in gradient_sinks(model)} if keep_x_gradients else set()
-    actions, _ = step_actions(model, kept, units)
-    if swapped:
-        actions = add_swaps(actions, model, swapped, len(model.ops), cost)
+    actions, pinned = _plan_actions(model, checkpoint_ops, kept, units, inner, swapped, cost, keep_x_gradients)
     actions = add_offload(actions, model, handles, len(model.ops), cost)
     seconds, timed_peak, _ = timed_replay(actions, cost, pinned)
     timeline, ordered_peak = memory_replay(actions, pinned)
@@ -297,6 +289,18 @@ def simulate_resident(
     ``slot_bytes`` of optimizer state, timed under the same cost model
     (each weight gradient consumed on the device by the update)."""
     cost = cost or CostModel()
+    actions, pinned = _plan_actions(model, checkpoint_ops, kept, units, inner, swapped, cost, keep_x_gradients)
+    seconds, peak, _ = timed_replay(actions, cost, pinned)
+    resident = model.resident_bytes + slot_bytes
+    return ResidentPrediction(peak_bytes=resident + peak, resident_bytes=resident, step_seconds=seconds)
+
+
+def _plan_actions(model: GraphModel, checkpoint_ops: Iterable[int], kept: Optional[Set[int]],
+                  units: Optional[List[Unit]], inner, swapped: Iterable[int], cost: CostModel,
+                  keep_x_gradients: bool) -> Tuple[list, Set]:
+    """The actions of the plan :func:`simulate_offload` and
+    :func:`simulate_resident` replay (its swaps added), and the buffers
+    the replay never frees (the results, when they are kept)."""
     if kept is None:
         kept = kept_set(model, checkpoint_ops)
     swapped = sorted(set(swapped))
@@ -306,6 +310,4 @@ def simulate_resident(
     actions, _ = step_actions(model, kept, units)
     if swapped:
         actions = add_swaps(actions, model, swapped, len(model.ops), cost)
-    seconds, peak, _ = timed_replay(actions, cost, pinned)
-    resident = model.resident_bytes + slot_bytes
-    return ResidentPrediction(peak_bytes=resident + peak, resident_bytes=resident, step_seconds=seconds)
+    return actions, pinned
