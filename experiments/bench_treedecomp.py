@@ -6,6 +6,7 @@ Usage (from the repository root)::
     python3 experiments/bench_treedecomp.py --quick      # under 30 s
     python3 experiments/bench_treedecomp.py --limits     # issue 17: wide min-fill, time limits, PACE gap (~3 min)
     .venv/bin/python experiments/bench_treedecomp.py --tf   # adds Keras training-step op graphs
+    .venv/bin/python experiments/bench_treedecomp.py --goatd [--tf]  # min-fill against goatd (if installed)
 
 For every graph it reports, for min-fill and min-degree, our width and
 time next to networkx's ``treewidth_min_fill_in`` / ``treewidth_min_degree``
@@ -24,6 +25,13 @@ against ``T`` on the largest PACE heuristic instance and on random
 and the PACE exact summed-width gap with ``improve`` at ``--gap-timeout``
 seconds per instance (sum of widths / sum of optima - 1, and the number of
 instances solved optimally).  ``--only`` picks some of the three.
+
+``--goatd`` compares min-fill on NN op graphs (the synthetic training-step
+graphs, and with ``--tf`` the Keras ones) with the compiled min-fill of
+goatd (``pip install goatd``; not a dependency of this project): CPU
+seconds of each call, best of a few, and both widths.  goatd's time
+includes building its graph from the edge list, as ours includes reading
+the networkx graph.
 """
 
 from __future__ import annotations
@@ -132,6 +140,48 @@ def bench_graph(name, G, cap, improve_s=1.0):
     else:
         row.append(f"{'-':>7}")
     print(" | ".join(row), flush=True)
+
+
+# ----------------------------------------------------------------- goatd
+def _best_cpu_seconds(run, repeats=5, enough=1.0):
+    """(result, best CPU seconds) of ``run()`` over up to ``repeats`` calls."""
+    best, spent, result = None, 0.0, None
+    for _ in range(repeats):
+        t0 = time.process_time()
+        result = run()
+        dt = time.process_time() - t0
+        spent += dt
+        best = dt if best is None else min(best, dt)
+        if spent > enough:
+            break
+    return result, best
+
+
+def against_goatd(graphs):
+    """Min-fill CPU seconds and widths, ours beside goatd's, per graph."""
+    try:
+        import goatd
+    except ImportError:
+        print("(--goatd: goatd is not installed: pip install goatd)")
+        return
+    print(f"{'graph':<22} {'n':>7} {'m':>8} | {'ours w':>6} {'ours s':>7} | {'goatd w':>7} {'goatd s':>7} | ours/goatd")
+    ratios = []
+    for name, G in graphs:
+        index = {v: i for i, v in enumerate(G.nodes)}
+        edges = [(index[a], index[b]) for a, b in G.edges if a != b]
+
+        def theirs():
+            return goatd.decompose(goatd.Graph(len(index), edges), order="minfill")
+
+        td, ours_s = _best_cpu_seconds(lambda: T.min_fill(G))
+        T.validate(G, td)
+        their_td, their_s = _best_cpu_seconds(theirs)
+        ratio = ours_s / their_s if their_s > 0 else float("inf")
+        ratios.append(ratio)
+        print(f"{name:<22} {G.number_of_nodes():>7} {G.number_of_edges():>8} | {td.width:>6} {ours_s:>7.3f} | "
+              f"{their_td.treewidth:>7} {their_s:>7.3f} | {ratio:.2f}x", flush=True)
+    if ratios:
+        print(f"worst ours/goatd CPU time: {max(ratios):.2f}x (target: within 3x)")
 
 
 # ----------------------------------------------------------------- TensorFlow graphs
@@ -352,10 +402,21 @@ def main(argv=None):
     ap.add_argument(
         "--only", default="minfill,timeouts,gap", help="with --limits: comma-separated subset of minfill,timeouts,gap"
     )
+    ap.add_argument("--goatd", action="store_true", help="min-fill on NN op graphs against goatd's (if installed)")
     ap.add_argument("--gap-timeout", type=float, default=1.0, help="with --limits: improve seconds per PACE instance")
     args = ap.parse_args(argv)
     if args.limits:
         limits(set(args.only.split(",")), args.gap_timeout)
+        return
+    if args.goatd:
+        graphs = [
+            ("resnet-like 20k", training_graph(resnet_like(680, seed=0))),
+            ("4 towers 20k", training_graph(towers(4, 1000, merge_every=50))),
+            ("unet-like depth 8", training_graph(unet_like(8, 20))),
+        ]
+        if args.tf:
+            graphs += [(model, tf_training_op_graph(model)) for model in ("Transformer", "ResNet50", "ResNet152")]
+        against_goatd(graphs)
         return
     if args.quick:
         args.nx_cap = min(args.nx_cap, 2.0)
