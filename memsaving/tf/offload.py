@@ -22,18 +22,15 @@ levels back; ``"chain"``, the op ``lb`` steps back along the reader's
 inputs.  A copy's device buffer is freed by TensorFlow when its last reader
 is done.
 
-A copy is two ``Snapshot`` ops: a *gate* on the host, which reads the
-variable's value and carries the control dependency on the trigger, and the
-*copy* on the accelerator, which reads the gate and feeds the readers (it
-carries the trigger too).  The gate is what makes the transfer wait: the
-partitioner turns the edge from the gate to the copy into a send and a
-receive, and a receive has no inputs, so it runs as soon as the send does;
-a copy on the accelerator alone, reading the host value, would share one
-receive with every other copy of the same value, made at the start of the
-step.  ``Snapshot`` because Grappler removes ``Identity`` ops (and moves
-their control inputs to their readers); on the accelerator it forwards the
-received buffer instead of copying it.  The gate copies the weight in host
-memory (it shares the variable's buffer, so it cannot forward it).
+A copy is two ``Snapshot`` ops, as a swap-in is
+(:func:`memsaving.tf.swap_rewrite.gated_copy`): a *gate* on the host, which
+reads the variable's value and carries the control dependency on the
+trigger, and the *copy* on the accelerator, which reads the gate and feeds
+the readers.  The gate is what makes the transfer wait; a copy on the
+accelerator alone, reading the host value, would also share one receive
+with every other copy of the same value, made at the start of the step.
+The gate copies the weight in host memory (it shares the variable's
+buffer, so it cannot forward it).
 
 Triggers are chosen among the ops that run (ancestors of ``roots``: the
 results and the loss), that read something other than a variable (a
@@ -58,7 +55,6 @@ on the accelerator, which the partitioner sends back.
 from __future__ import annotations
 
 import collections
-import re
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence
 
@@ -68,6 +64,8 @@ from memsaving.model.swapping import SWAP_FUSE_LEVELS, SWAP_IN_LATEST, SWAP_IN_L
 from memsaving.tf.forward import topological_order
 from memsaving.tf.measure import default_device
 from memsaving.tf.placement import same_device
+from memsaving.tf.rewrite import is_segment_proxy
+from memsaving.tf.swap_rewrite import gated_copy
 
 
 @dataclass(frozen=True)
@@ -218,22 +216,13 @@ def _uses(value: tf.Tensor, backward: set) -> List[_Use]:
     (see the module docstring)."""
     found = []
     for reader in dict.fromkeys(value.consumers()):
-        if reader in backward and is_proxy(reader):
+        if reader in backward and is_segment_proxy(reader):
             proxied = reader.outputs[0]
             found.extend(_Use(op, proxied) for op in dict.fromkeys(proxied.consumers()))
         else:
             found.append(_Use(reader, value))
     return found
 
-
-def is_proxy(op: tf.Operation) -> bool:
-    """Whether ``op`` is a segment's proxy: the ``Identity`` that
-    :mod:`memsaving.tf.rewrite` puts at a recomputed segment's inputs
-    (named ``proxy``, ``proxy_1``...)."""
-    return op.type == "Identity" and _PROXY.fullmatch(op.name.rsplit("/", 1)[-1]) is not None
-
-
-_PROXY = re.compile(r"proxy(_\d+)?")
 
 _EARLY_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "Placeholder", "Const"})
 """Ops that run at the start of the step whatever their inputs: no trigger."""
@@ -314,12 +303,8 @@ def _copy(value: tf.Tensor, uses: List[_Use], device: str, tag: str, schedule: _
     for the trigger of the first of them; the readers are rewired to the copy."""
     first = min((use.op for use in uses), key=lambda op: (schedule.level[op], schedule.position[op]))
     trigger = schedule.trigger(first, in_backward, options) if triggered else None
-    graph = value.graph
-    with graph.name_scope(f"{value.op.name}/offload/"), tf.control_dependencies(None):
-        with tf.device(options.device):
-            gate = tf.raw_ops.Snapshot(input=value, name=f"{tag}_gate")
-        with tf.device(device):
-            copy = tf.raw_ops.Snapshot(input=gate, name=f"{tag}_copy")
+    with value.graph.name_scope(f"{value.op.name}/offload/"):
+        gate, copy = gated_copy(value, options.device, device, tag)
     if trigger is not None:
         gate.op._add_control_input(trigger)  # pylint: disable=protected-access
         copy.op._add_control_input(trigger)  # pylint: disable=protected-access

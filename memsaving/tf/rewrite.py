@@ -35,6 +35,7 @@ segment; the total work stays linear in the graph size.
 
 from __future__ import annotations
 
+import re
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
@@ -319,7 +320,7 @@ class BackwardBuilder:
         proxies = object_identity.ObjectIdentityDictionary()
         for t in boundary:
             with tf.device(t.op.device):
-                proxies[t] = tf.identity(self.sources.get(t, t), name=f"segment_inputs_{self.segments}/proxy")
+                proxies[t] = tf.identity(self.sources.get(t, t), name=f"segment_inputs_{self.segments}/{_PROXY_NAME}")
         copies = self._copy_ops(ops, proxies, wait_for, prefix)
         copied_outs = [copies[op].outputs[t.value_index] for t in outs]
         results = self._differentiate([copies[o] for o in ops], copied_outs, list(proxies.values()),
@@ -568,3 +569,15 @@ def copy_op(op: tf.Operation, inputs: list, control_inputs: list, prefix: str) -
     for source, target in zip(op.outputs, new.outputs):
         target.set_shape(source.shape)
     return new
+
+
+_PROXY_NAME = "proxy"
+_PROXY = re.compile(rf"{_PROXY_NAME}(_\d+)?")
+
+
+def is_segment_proxy(op: tf.Operation) -> bool:
+    """Whether ``op`` is a recomputed segment's *proxy*: the ``Identity``
+    put at each of the segment's inputs, read by the recomputed ops and
+    their gradients (TensorFlow names a segment's second one ``proxy_1``...).
+    Emitters that time copies by their readers look through it."""
+    return op.type == "Identity" and _PROXY.fullmatch(op.name.rsplit("/", 1)[-1]) is not None

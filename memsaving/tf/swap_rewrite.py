@@ -23,17 +23,28 @@ The copies are ``Snapshot`` ops: Grappler's dependency optimizer deletes
 the default places Snapshots on devices, and tests use one that moves the
 bytes out of TensorFlow's allocator to measure what swapping saves on a
 machine without a GPU.
+
+A swap-in on the default backend is two Snapshots (:func:`gated_copy`): a
+*gate* on the host, which carries the trigger, then the copy on the device.
+The graph partitioner turns an edge between devices into a send and a
+receive, and a receive has no inputs: it runs as soon as its send does.  A
+device Snapshot reading the swap-out directly would therefore receive the
+tensor right after the swap-out, in the forward pass, whatever its trigger
+(the trigger only delays the Snapshot, not the transfer), and the tensor
+would be back on the device for the whole backward pass.  Waiting on the
+host, before the send, is what delays the transfer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.util import object_identity
 
+from memsaving.tf.rewrite import is_segment_proxy
 from memsaving.model.swapping import (SWAP_FUSE_LEVELS, SWAP_IN_LATEST, SWAP_IN_LEAD, SWAP_OUT_SLACK,
                                      fused_groups, swap_out_waiters)
 
@@ -57,16 +68,36 @@ class SwapOptions:
             raise ValueError(f"swap bounds must satisfy 0 <= lb <= ub, got lb={self.lb}, ub={self.ub}")
 
 
+def gated_copy(value: tf.Tensor, host: str, device: Optional[str], name: str) -> Tuple[tf.Tensor, tf.Tensor]:
+    """``(gate, copy)``: a ``Snapshot`` of ``value`` on ``host`` and a
+    ``Snapshot`` of the gate on ``device``, named ``{name}_gate`` and
+    ``{name}_copy``.
+
+    Control dependencies put on the gate delay the transfer to the device
+    (the module docstring says why the copy alone cannot); the caller puts
+    them on both ops.  Made outside any control-dependency context."""
+    with tf.control_dependencies(None):
+        with tf.device(host):
+            gate = tf.raw_ops.Snapshot(input=value, name=f"{name}_gate")
+        with tf.device(device or None):
+            copy = tf.raw_ops.Snapshot(input=gate, name=f"{name}_copy")
+    return gate, copy
+
+
 class SnapshotBackend:
-    """Copies with ``Snapshot`` ops placed on the host and back on the device."""
+    """Copies with ``Snapshot`` ops placed on the host and back on the
+    device, each copy back gated on the host (:func:`gated_copy`)."""
 
     def swap_out(self, tensor: tf.Tensor, host: str) -> tf.Tensor:
         with tf.device(host):
             return tf.raw_ops.Snapshot(input=tensor, name="swap_out")
 
     def swap_in(self, handle: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
-        with tf.device(like.op.device or None):
-            return tf.raw_ops.Snapshot(input=handle, name="swap_in")
+        return gated_copy(handle, handle.op.device, like.op.device, "swap_in")[1]
+
+    def waiting_ops(self, swap_in: tf.Tensor) -> List[tf.Operation]:
+        """The ops a swap-in's trigger and waits go on: its gate and itself."""
+        return [swap_in.op.inputs[0].op, swap_in.op]
 
 
 class HostStoreBackend:
@@ -101,6 +132,10 @@ class HostStoreBackend:
         value = tf.numpy_function(get, [handle], like.dtype, stateful=False, name="swap_in")
         value.set_shape(like.shape)
         return value
+
+    def waiting_ops(self, swap_in: tf.Tensor) -> List[tf.Operation]:
+        """The ops a swap-in's trigger and waits go on: itself (no transfer)."""
+        return [swap_in.op]
 
 
 def _levels(backward: Sequence[tf.Operation]) -> Dict[tf.Operation, int]:
@@ -145,7 +180,7 @@ def insert_swaps(
         def effective(op):
             # a segment's proxy is read by copies that wait on gradients:
             # time the swap-in by them, not by the proxy
-            if op.type == "Identity" and op.name.endswith("proxy"):
+            if is_segment_proxy(op):
                 later = [level[c] for c in readers.get(op.outputs[0], []) if c in level]
                 if later:
                     return min(later)
@@ -161,7 +196,8 @@ def insert_swaps(
             first = group[0]
             trigger = _trigger(first, effective(first), options, level, by_level, position)
             if trigger is not None:
-                swap_in.op._add_control_input(trigger)  # pylint: disable=protected-access
+                for op in _waiting_ops(backend, swap_in):
+                    op._add_control_input(trigger)  # pylint: disable=protected-access
             for op in group:
                 for index, value in enumerate(op.inputs):
                     if value is t:
@@ -170,11 +206,18 @@ def insert_swaps(
             entry["triggers"].append(trigger)
             entry["consumers"].append(group)
         report.append(entry)
-    _wait_for_earlier_swap_ins(report, level)
+    _wait_for_earlier_swap_ins(report, level, backend)
     return report
 
 
-def _wait_for_earlier_swap_ins(report: List[dict], level: Dict[tf.Operation, int]) -> None:
+def _waiting_ops(backend, swap_in: tf.Tensor) -> List[tf.Operation]:
+    """The ops that carry a swap-in's trigger and waits: the backend's
+    ``waiting_ops`` when it has one (a backend without it: the swap-in)."""
+    waiting = getattr(backend, "waiting_ops", None)
+    return waiting(swap_in) if waiting is not None else [swap_in.op]
+
+
+def _wait_for_earlier_swap_ins(report: List[dict], level: Dict[tf.Operation, int], backend) -> None:
     """Each swap-in also waits for the consumers of the swap-in before it
     (in backward order) that come earlier than its own first consumer.
 
@@ -196,7 +239,8 @@ def _wait_for_earlier_swap_ins(report: List[dict], level: Dict[tf.Operation, int
             after = _descendants(swap_in.op)
             waits = [op for op in waits if op not in after]  # never a cycle
         if waits:
-            swap_in.op._add_control_inputs(waits)  # pylint: disable=protected-access
+            for op in _waiting_ops(backend, swap_in):
+                op._add_control_inputs(waits)  # pylint: disable=protected-access
 
 
 def _descendants(op: tf.Operation) -> set:
@@ -225,7 +269,7 @@ def _forward_waiters(tensor: tf.Tensor, slack: int, forward: set) -> List[tf.Ope
 def _trigger(consumer, consumer_level, options, level, by_level, position) -> Optional[tf.Operation]:
     if options.trigger == "chain":
         op = consumer
-        if op.type == "Identity" and op.name.endswith("proxy"):
+        if is_segment_proxy(op):
             # walk from the proxy's first reader instead
             readers = [c for c in op.outputs[0].consumers() if c in level]
             if readers:

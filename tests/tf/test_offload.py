@@ -12,7 +12,8 @@ from tensorflow.python.eager import context
 
 import memsaving
 from memsaving.tf.forward import ops_made_in
-from memsaving.tf.offload import OffloadOptions, handle_device, host_reads, insert_offload, is_proxy
+from memsaving.tf.offload import OffloadOptions, handle_device, host_reads, insert_offload
+from memsaving.tf.rewrite import is_segment_proxy
 from memsaving.tf.placement import same_device
 
 HOST, ACCELERATOR = "/CPU:1", "/CPU:0"
@@ -103,7 +104,7 @@ def test_every_accelerator_reader_reads_a_copy_of_its_phase(checkpoints):
         read = entry.read
         assert entry.forward and entry.backward and not entry.host_readers
         for consumer in read.outputs[0].consumers():  # only gates read the host value (and bypassed proxies)
-            if is_proxy(consumer):
+            if is_segment_proxy(consumer):
                 assert not consumer.outputs[0].consumers(), "a segment's proxy is bypassed: its readers read copies"
                 continue
             assert consumer.type == "Snapshot" and same_device(consumer.device, HOST), consumer.name
@@ -115,7 +116,7 @@ def test_every_accelerator_reader_reads_a_copy_of_its_phase(checkpoints):
             for reader in copy.readers:
                 assert (reader in backward) == (phase == "backward"), reader.name
                 assert any(t is copy.value for t in reader.inputs)
-                assert not is_proxy(reader)
+                assert not is_segment_proxy(reader)
             if copy.trigger is not None:
                 assert copy.trigger in copy.gate.op.control_inputs and copy.trigger in copy.value.op.control_inputs
                 readers_of_trigger = {c for t in copy.trigger.outputs for c in t.consumers()}

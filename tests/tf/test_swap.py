@@ -84,10 +84,19 @@ def test_swap_copies_survive_grappler_and_sit_on_the_right_devices():
     assert swapped == 12, "every tanh output the backward reads (weights are not swapped)"
     nodes = [n for graph in metadata.function_graphs for n in graph.post_optimization_graph.node]
     outs = [n for n in nodes if n.op == "Snapshot" and "swap_out" in n.name]
-    ins = [n for n in nodes if n.op == "Snapshot" and "swap_in" in n.name]
+    gates = [n for n in nodes if n.op == "Snapshot" and "swap_in_gate" in n.name]
+    ins = [n for n in nodes if n.op == "Snapshot" and "swap_in_copy" in n.name]
     assert len(outs) == swapped and len(ins) >= swapped, "Grappler kept every swap copy"
-    assert all(n.device.endswith("CPU:1") for n in outs)
+    assert all(n.device.endswith("CPU:1") for n in outs + gates)
     assert all(n.device.endswith("CPU:0") for n in ins)
+    by_name = {n.name: n for n in nodes}
+    # the trigger is on the host side of the transfer: every swap-in but the
+    # first (which has no trigger; Grappler folds its gate) reads a gate that waits
+    gated = [n for n in ins if by_name[n.input[0]] in gates]
+    assert len(gated) >= swapped - 1, "all but the first swap-in read a gate"
+    for copy in gated:
+        gate = by_name[copy.input[0]]
+        assert any(name.startswith("^") for name in gate.input), f"{gate.name} waits for nothing"
 
 
 @pytest.mark.parametrize("trigger", ["direct", "chain"])
@@ -106,10 +115,12 @@ def test_swap_ins_run_after_their_trigger_and_before_their_consumer(trigger):
 
         grads = memsaving.gradients(session_loss(x), variables, checkpoints=[], swap=True, swap_device=HOST,
                                     swap_trigger=trigger, swap_lb=2)
-        swap_ins = [op for op in graph.get_operations() if op.type == "Snapshot" and "swap_in" in op.name]
+        swap_ins = [op for op in graph.get_operations() if op.type == "Snapshot" and "swap_in_copy" in op.name]
         assert swap_ins
-        for op in swap_ins:  # from the graph: a trigger, and consumers that are not the trigger
-            assert op.control_inputs, f"{op.name} has no trigger"
+        for op in swap_ins:  # from the graph: a trigger on the copy and on its gate
+            gate = op.inputs[0].op
+            assert "swap_in_gate" in gate.name and gate.device.endswith("CPU:1")
+            assert op.control_inputs and set(op.control_inputs) <= set(gate.control_inputs), f"{op.name} has no trigger"
         config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1, device_count={"CPU": 2})
         with tf.compat.v1.Session(graph=graph, config=config) as session:
             session.run(tf.compat.v1.global_variables_initializer())
@@ -121,7 +132,7 @@ def test_swap_ins_run_after_their_trigger_and_before_their_consumer(trigger):
     for device in metadata.step_stats.dev_stats:
         for node in device.node_stats:
             times[node.node_name] = (node.all_start_micros, node.all_start_micros + node.all_end_rel_micros)
-    checked = 0
+    checked = gated = 0
     for op in swap_ins:
         if op.name not in times:
             continue
@@ -129,11 +140,38 @@ def test_swap_ins_run_after_their_trigger_and_before_their_consumer(trigger):
         trigger_op = op.control_inputs[0]
         if trigger_op.name in times:
             assert start >= times[trigger_op.name][1], f"{op.name} started before its trigger ended"
+            # the transfer leaves the host after the trigger: the gate waits for it
+            gate = op.inputs[0].op.name
+            assert times[gate][0] >= times[trigger_op.name][1], f"{gate} started before its trigger ended"
+            gated += 1
         for consumer in op.outputs[0].consumers():
             if consumer.name in times:
                 assert times[consumer.name][0] >= times[op.name][1], f"{consumer.name} ran before its swap-in"
                 checked += 1
-    assert checked >= len(swap_ins) // 2
+    assert checked >= len(swap_ins) // 2 and gated >= len(swap_ins) // 2
+
+
+def test_every_proxy_of_a_segment_is_recognised():
+    """Swap-ins and parameter copies are timed by a proxy's readers; a
+    segment with several inputs has proxies named proxy, proxy_1..."""
+    from memsaving.tf.rewrite import is_segment_proxy
+
+    ws, loss = _mlp(depth=8, width=16)
+    found = {}
+
+    @tf.function
+    def step(x):
+        grads = memsaving.gradients(loss(x) + tf.reduce_sum(x), ws + [x], checkpoints="memory")
+        graph = tf.compat.v1.get_default_graph()
+        found["identities"] = [op for op in graph.get_operations()
+                               if op.type == "Identity" and "segment_inputs_" in op.name]
+        found["proxies"] = [op for op in found["identities"] if is_segment_proxy(op)]
+        return grads
+
+    step(tf.ones([4, 16]))
+    names = [op.name.rsplit("/", 1)[-1] for op in found["proxies"]]
+    assert len(found["proxies"]) == len(found["identities"]) > 1
+    assert "proxy_1" in names, "a segment with more than one input"
 
 
 def host_store_figures() -> dict:
