@@ -30,9 +30,11 @@ Models: ``gpt``, a GPT-style causal language model
 (:func:`memsaving.tools.models.gpt`: 4 blocks of width 256, 4 heads,
 vocabulary 32,000, 256 tokens, batch 8; its logits are 262 MB), trained on
 next-token cross-entropy; ``unet``, :func:`memsaving.tools.models.unet` at
-256x256, batch 8, on a mean-squared loss.
+256x256, batch 8, on a mean-squared loss; ``gpt2`` (not run by default;
+needs keras_hub, the ``bench`` extra), keras_hub's GPT2 backbone of the
+same shape, its output layer the token embedding (tied weights).
 
-    python -m experiments.bench_split [--models gpt unet] [--repeat 3] [--quick]
+    python -m experiments.bench_split [--models gpt unet gpt2] [--repeat 3] [--quick]
 
 Each model is measured in a Python process of its own (the allocator
 keeps memory a model measured before left behind).  ``--quick`` shrinks both (vocabulary 4,000, 128 tokens; U-Net 128x128) to
