@@ -340,10 +340,11 @@ def _check(name, family, m):
             f"allowed -{family.under:.0%}..+{family.over:.0%})")
 
 
-SLOW_FAMILIES = {"einsum_dense", "conv2d", "layernorm", "dense_batchnorm", "depthwise_conv2d"}
+SLOW_FAMILIES = {"einsum_dense", "conv1d", "conv2d", "layernorm", "dense_batchnorm", "depthwise_conv2d"}
 """Families left to ``-m slow`` (about 12 s each): what they guard is guarded
 by the others too (the bias fix by Dense and Embedding+Dense, the order of
-gradient ops by Conv2D with biases); LayerNorm guards neither fix."""
+gradient ops and convolutions' work buffers by Conv2D with biases); LayerNorm
+guards neither fix."""
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_FAMILIES else name

@@ -323,6 +323,7 @@ def encoder_figures(runs: int = 5) -> dict:
     return figures
 
 
+@pytest.mark.slow  # 15 s; test_measured_peak_follows_the_prediction_with_default_threads keeps default threads in the default run
 def test_attention_encoder_prediction_with_default_threads():
     """Default thread pools, Keras MultiHeadAttention, LayerNormalization
     and Dense: plain and memory-mode predictions within 15% of the measured

@@ -189,6 +189,7 @@ def test_single_conv2d_step():
     assert abs(figures["with"] - figures["measured"]) <= TOLERANCE * figures["measured"]
 
 
+@pytest.mark.slow  # 8 s; the oneDNN kernels users run by default are checked by test_single_conv2d_step
 def test_conv2d_work_buffer_with_eigen_kernels():
     """With TensorFlow's Eigen kernels (oneDNN off) a Conv2D step holds a
     work buffer of about 32 MiB whatever the tensor sizes: far off without
