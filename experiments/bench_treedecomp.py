@@ -88,19 +88,25 @@ def run_networkx(G: nx.Graph, which: str, cap: float):
 
 
 # ----------------------------------------------------------------- our side
+def best_seconds(run, clock=time.perf_counter, repeats=5, enough=1.0):
+    """(result, best seconds) of ``run()`` over up to ``repeats`` calls,
+    stopping once ``enough`` seconds are spent, timed by ``clock``."""
+    best, spent, result = None, 0.0, None
+    for _ in range(repeats):
+        t0 = clock()
+        result = run()
+        dt = clock() - t0
+        spent += dt
+        best = dt if best is None else min(best, dt)
+        if spent > enough:
+            break
+    return result, best
+
+
 def run_ours(G: nx.Graph, which: str):
     """(width, seconds, td): best time over a few repeats for fast cases."""
     f = T.min_fill if which == "min-fill" else T.min_degree
-    best = None
-    spent = 0.0
-    for _ in range(5):
-        t0 = time.perf_counter()
-        td = f(G)
-        dt = time.perf_counter() - t0
-        spent += dt
-        best = dt if best is None else min(best, dt)
-        if spent > 1.0:
-            break
+    td, best = best_seconds(lambda: f(G))
     T.validate(G, td)
     return td.width, best, td
 
@@ -143,20 +149,6 @@ def bench_graph(name, G, cap, improve_s=1.0):
 
 
 # ----------------------------------------------------------------- goatd
-def _best_cpu_seconds(run, repeats=5, enough=1.0):
-    """(result, best CPU seconds) of ``run()`` over up to ``repeats`` calls."""
-    best, spent, result = None, 0.0, None
-    for _ in range(repeats):
-        t0 = time.process_time()
-        result = run()
-        dt = time.process_time() - t0
-        spent += dt
-        best = dt if best is None else min(best, dt)
-        if spent > enough:
-            break
-    return result, best
-
-
 def against_goatd(graphs):
     """Min-fill CPU seconds and widths, ours beside goatd's, per graph."""
     try:
@@ -173,9 +165,9 @@ def against_goatd(graphs):
         def theirs():
             return goatd.decompose(goatd.Graph(len(index), edges), order="minfill")
 
-        td, ours_s = _best_cpu_seconds(lambda: T.min_fill(G))
+        td, ours_s = best_seconds(lambda: T.min_fill(G), clock=time.process_time)
         T.validate(G, td)
-        their_td, their_s = _best_cpu_seconds(theirs)
+        their_td, their_s = best_seconds(theirs, clock=time.process_time)
         ratio = ours_s / their_s if their_s > 0 else float("inf")
         ratios.append(ratio)
         print(f"{name:<22} {G.number_of_nodes():>7} {G.number_of_edges():>8} | {td.width:>6} {ours_s:>7.3f} | "

@@ -159,6 +159,39 @@ def assert_gradients_equal(plain, ours, labels, context=""):
         np.testing.assert_allclose(o, p, rtol=1e-4, atol=1e-5 * scale, err_msg=f"{label}, {context}")
 
 
+def optimized_graphs(call) -> list:
+    """Run ``call()`` (a tf.function's call) with run metadata on and return
+    the GraphDefs of the functions it ran, as Grappler left them.  Graph
+    collection is turned off again afterwards: ``disable_run_metadata``
+    alone leaves it on, and later calls would keep adding their graphs."""
+    from tensorflow.python.eager import context
+
+    context.context().enable_run_metadata()
+    try:
+        call()
+        metadata = context.context().export_run_metadata()
+    finally:
+        context.context().disable_run_metadata()
+        context.context().disable_graph_collection()
+    return [graph.post_optimization_graph for graph in metadata.function_graphs]
+
+
+def session_step_times(graph: tf.Graph, fetches, feed: dict) -> dict:
+    """Run ``fetches`` once in a v1 session on ``graph`` (two logical CPUs,
+    one inter-op thread, variables initialized) with a full trace; return
+    each node's ``(start, end)`` in microseconds, for tests of run order."""
+    with graph.as_default():
+        init = tf.compat.v1.global_variables_initializer()
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1, device_count={"CPU": 2})
+    with tf.compat.v1.Session(graph=graph, config=config) as session:
+        session.run(init)
+        metadata = tf.compat.v1.RunMetadata()
+        session.run(fetches, feed, options=tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
+                    run_metadata=metadata)
+    return {node.node_name: (node.all_start_micros, node.all_start_micros + node.all_end_rel_micros)
+            for device in metadata.step_stats.dev_stats for node in device.node_stats}
+
+
 GRAPPLER_FAILURES = ("optimizer failed", "topological sort failed", "couldn't be sorted in topological order",
                      "function optimization failure")
 

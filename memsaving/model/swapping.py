@@ -33,6 +33,19 @@ SWAP_OUT_SLACK = 1
 for its swap-out (1: the consumers' consumers), so the device copy is freed
 during the forward pass and not after it."""
 
+TRIGGERS = ("direct", "chain")
+"""How a copy to the device picks its trigger (``swap_trigger``)."""
+
+
+def check_copy_timing(what: str, trigger: str, lb: int, ub: int) -> None:
+    """Raise ValueError unless ``trigger`` is one of :data:`TRIGGERS` and
+    ``0 <= lb <= ub``: the timing keywords of swap-ins and of parameter
+    copies (``what``: "swap" or "offload", named in the message)."""
+    if trigger not in TRIGGERS:
+        raise ValueError(f"{what} trigger must be 'direct' or 'chain', got {trigger!r}")
+    if not 0 <= lb <= ub:
+        raise ValueError(f"{what} bounds must satisfy 0 <= lb <= ub, got lb={lb}, ub={ub}")
+
 
 def swap_out_waiters(first_readers: Iterable[Op], forward_readers: Callable[[Op], Iterable[Op]],
                      slack: int = SWAP_OUT_SLACK) -> Set[Op]:

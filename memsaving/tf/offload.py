@@ -60,7 +60,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 import tensorflow as tf
 
-from memsaving.model.swapping import SWAP_FUSE_LEVELS, SWAP_IN_LATEST, SWAP_IN_LEAD, fused_groups
+from memsaving.model.swapping import SWAP_FUSE_LEVELS, SWAP_IN_LATEST, SWAP_IN_LEAD, check_copy_timing, fused_groups
 from memsaving.tf.forward import topological_order
 from memsaving.tf.measure import default_device
 from memsaving.tf.placement import same_device
@@ -92,10 +92,7 @@ class OffloadOptions:
     fuse_levels: int = SWAP_FUSE_LEVELS
 
     def __post_init__(self):
-        if self.trigger not in ("direct", "chain"):
-            raise ValueError(f"offload trigger must be 'direct' or 'chain', got {self.trigger!r}")
-        if not 0 <= self.lb <= self.ub:
-            raise ValueError(f"offload bounds must satisfy 0 <= lb <= ub, got lb={self.lb}, ub={self.ub}")
+        check_copy_timing("offload", self.trigger, self.lb, self.ub)
 
 
 @dataclass

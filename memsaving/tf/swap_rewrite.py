@@ -46,7 +46,7 @@ from tensorflow.python.util import object_identity
 
 from memsaving.tf.rewrite import is_segment_proxy
 from memsaving.model.swapping import (SWAP_FUSE_LEVELS, SWAP_IN_LATEST, SWAP_IN_LEAD, SWAP_OUT_SLACK,
-                                     fused_groups, swap_out_waiters)
+                                     check_copy_timing, fused_groups, swap_out_waiters)
 
 
 @dataclass(frozen=True)
@@ -62,10 +62,7 @@ class SwapOptions:
     out_slack: int = SWAP_OUT_SLACK
 
     def __post_init__(self):
-        if self.trigger not in ("direct", "chain"):
-            raise ValueError(f"swap trigger must be 'direct' or 'chain', got {self.trigger!r}")
-        if not 0 <= self.lb <= self.ub:
-            raise ValueError(f"swap bounds must satisfy 0 <= lb <= ub, got lb={self.lb}, ub={self.ub}")
+        check_copy_timing("swap", self.trigger, self.lb, self.ub)
 
 
 def gated_copy(value: tf.Tensor, host: str, device: Optional[str], name: str) -> Tuple[tf.Tensor, tf.Tensor]:

@@ -9,9 +9,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.python.eager import context
 
 import memsaving.keras as mkeras
+from helpers import optimized_graphs
 from memsaving.tf.placement import same_device, variable_device
 
 HOST, ACCELERATOR = "/CPU:1", "/CPU:0"
@@ -125,16 +125,9 @@ def test_variables_and_optimizer_state_live_on_the_host_and_updates_run_there():
     assert len(optimizer_variables) > 2 * len(model.trainable_weights), "Adam's slots"
     for variable in model.variables + optimizer_variables:
         assert same_device(variable_device(variable), HOST), variable.path
-    context.context().enable_run_metadata()
-    try:
-        model.train_on_batch(*(a[:BATCH] for a in _data("mlp")))
-        metadata = context.context().export_run_metadata()
-    finally:
-        context.context().disable_run_metadata()
-        context.context().disable_graph_collection()  # else TensorFlow goes on collecting every function's graphs
-    graphs = [g.post_optimization_graph for g in metadata.function_graphs  # this model's step alone
-              if any(n.name.startswith(model.name + "_") and "/offload/" in n.name
-                     for n in g.post_optimization_graph.node)]
+    graphs = [g for g in optimized_graphs(lambda: model.train_on_batch(*(a[:BATCH] for a in _data("mlp"))))
+              if any(n.name.startswith(model.name + "_") and "/offload/" in n.name  # this model's step alone
+                     for n in g.node)]
     assert graphs
     nodes = [n for graph in graphs for n in graph.node]
     updates = [n for n in nodes if n.op.startswith(("Assign", "ResourceApply")) and "adam" in n.name.lower()]

@@ -8,9 +8,9 @@ Two logical CPUs stand in for the devices (tests/conftest.py): the host is
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.python.eager import context
 
 import memsaving
+from helpers import optimized_graphs, session_step_times
 from memsaving.tf.forward import ops_made_in
 from memsaving.tf.offload import OffloadOptions, handle_device, host_reads, insert_offload
 from memsaving.tf.rewrite import is_segment_proxy
@@ -132,16 +132,9 @@ def test_copies_survive_grappler_on_their_devices_and_updates_run_on_the_host():
     report = {}
     step = _offloaded_step(ws, OffloadOptions(device=HOST), report, checkpoints="memory")
     x = tf.random.normal([64, 32], seed=1)
-    context.context().enable_run_metadata()
-    try:
-        step(x)
-        metadata = context.context().export_run_metadata()
-    finally:
-        context.context().disable_run_metadata()
-        context.context().disable_graph_collection()  # else TensorFlow goes on collecting every function's graphs
+    ran = optimized_graphs(lambda: step(x))
     mine = f"{report['reads'][0].read.name}/offload/forward_gate"  # the step's graph, not an earlier test's
-    graphs = [g.post_optimization_graph for g in metadata.function_graphs
-              if any(n.name == mine for n in g.post_optimization_graph.node)]
+    graphs = [g for g in ran if any(n.name == mine for n in g.node)]
     assert graphs
     nodes = {n.name: n for graph in graphs for n in graph.node}
     copies = [n for n in nodes.values() if n.op == "Snapshot" and n.name.endswith("_copy")]
@@ -179,17 +172,7 @@ def test_copies_run_after_their_trigger_and_before_their_readers(checkpoints):
         report = insert_offload(reads, made, grads + [loss], OffloadOptions(device=HOST, lb=2))
         report = [entry for entry in report if entry.forward]  # v1 variables read themselves once more, unused
         assert len(report) == len(variables)
-        config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1, device_count={"CPU": 2})
-        with tf.compat.v1.Session(graph=graph, config=config) as session:
-            session.run(tf.compat.v1.global_variables_initializer())
-            metadata = tf.compat.v1.RunMetadata()
-            session.run(grads, {x: np.ones([64, 32], np.float32)},
-                        options=tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
-                        run_metadata=metadata)
-    times = {}
-    for device in metadata.step_stats.dev_stats:
-        for node in device.node_stats:
-            times[node.node_name] = (node.all_start_micros, node.all_start_micros + node.all_end_rel_micros)
+    times = session_step_times(graph, grads, {x: np.ones([64, 32], np.float32)})
     triggers = readers = 0
     for entry in report:
         for copy in entry.forward + entry.backward:

@@ -4,10 +4,10 @@ their order, and the memory they save (measured with a host-store backend)."""
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.python.eager import context
 
 import memsaving
-from helpers import assert_close, in_a_fresh_process, run_session, run_tf_function
+from helpers import (assert_close, in_a_fresh_process, optimized_graphs, run_session, run_tf_function,
+                     session_step_times)
 from memsaving.tf.swap_rewrite import HostStoreBackend
 from model_zoo import ALL_MODELS
 
@@ -74,15 +74,10 @@ def test_swap_copies_survive_grappler_and_sit_on_the_right_devices():
         return tf.add_n([tf.reduce_sum(g) for g in grads])
 
     x = tf.random.normal([128, 64], seed=1)
-    context.context().enable_run_metadata()
-    try:
-        step(x)
-        metadata = context.context().export_run_metadata()
-    finally:
-        context.context().disable_run_metadata()
+    graphs = optimized_graphs(lambda: step(x))
     swapped = len(captured["plan"].swapped)
     assert swapped == 12, "every tanh output the backward reads (weights are not swapped)"
-    nodes = [n for graph in metadata.function_graphs for n in graph.post_optimization_graph.node]
+    nodes = [n for graph in graphs for n in graph.node]
     outs = [n for n in nodes if n.op == "Snapshot" and "swap_out" in n.name]
     gates = [n for n in nodes if n.op == "Snapshot" and "swap_in_gate" in n.name]
     ins = [n for n in nodes if n.op == "Snapshot" and "swap_in_copy" in n.name]
@@ -121,17 +116,7 @@ def test_swap_ins_run_after_their_trigger_and_before_their_consumer(trigger):
             gate = op.inputs[0].op
             assert "swap_in_gate" in gate.name and gate.device.endswith("CPU:1")
             assert op.control_inputs and set(op.control_inputs) <= set(gate.control_inputs), f"{op.name} has no trigger"
-        config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1, device_count={"CPU": 2})
-        with tf.compat.v1.Session(graph=graph, config=config) as session:
-            session.run(tf.compat.v1.global_variables_initializer())
-            metadata = tf.compat.v1.RunMetadata()
-            session.run(grads, {x: np.ones([128, 64], np.float32)},
-                        options=tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
-                        run_metadata=metadata)
-    times = {}
-    for device in metadata.step_stats.dev_stats:
-        for node in device.node_stats:
-            times[node.node_name] = (node.all_start_micros, node.all_start_micros + node.all_end_rel_micros)
+    times = session_step_times(graph, grads, {x: np.ones([128, 64], np.float32)})
     checked = gated = 0
     for op in swap_ins:
         if op.name not in times:
