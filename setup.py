@@ -1,6 +1,10 @@
 """Install memsaving (gradient checkpointing for TensorFlow 2) and treedecomp."""
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
+
+# treedecomp's inner loops in C (min-fill, elimination tree): optional, the
+# Python code is the reference and runs when no compiler is available.
+COMPILED = Extension("treedecomp._compiled", ["treedecomp/_compiled.c"], optional=True)
 
 setup(
     name="memsaving",
@@ -24,5 +28,6 @@ setup(
         # tensorflow-cpu); keras_hub's backbones import and run without tensorflow-text.
         "bench": ["keras-hub==0.32.0"],
     },
+    ext_modules=[COMPILED],
     entry_points={"console_scripts": ["memsaving=memsaving.tools.cli:main"]},
 )

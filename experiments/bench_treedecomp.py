@@ -93,6 +93,7 @@ def best_seconds(run, clock=time.perf_counter, repeats=5, enough=1.0):
     stopping once ``enough`` seconds are spent, timed by ``clock``."""
     best, spent, result = None, 0.0, None
     for _ in range(repeats):
+        result = None  # the previous result is freed here, not inside the timed call
         t0 = clock()
         result = run()
         dt = clock() - t0

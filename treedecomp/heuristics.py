@@ -20,7 +20,9 @@ polynomial in the degree of the eliminated vertex, which is small for
 graphs of small treewidth.  For graphs of large width the neighbourhoods
 switch to bitsets once they grow (see ``_elimination``), which keeps
 min-fill on a 10,000-vertex random 3-regular graph (width 2,068) at about
-8 s instead of six minutes.
+8 s instead of six minutes.  For graphs of many small neighbourhoods (neural
+network op graphs) min-fill's set phase runs compiled when the optional C
+module was built (see ``_elimination.compiled``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ._elimination import (
     eliminate_min_degree,
     eliminate_min_fill,
     gc_paused,
+    graph_rows,
     index_graph,
 )
 from .decomposition import TreeDecomposition
@@ -72,8 +75,12 @@ def _ranks(n: int, seed) -> list[int] | None:
 def _run(G: nx.Graph, heuristic: str, seed) -> TreeDecomposition:
     engine = elimination_engine(heuristic)
     with gc_paused():
-        nodes, adj = index_graph(G)
-        order, higher, tail, _ = engine(adj, _ranks(len(nodes), seed))
+        if engine is eliminate_min_fill:
+            nodes, rows, index = graph_rows(G)
+            order, higher, tail, _ = engine(rows, _ranks(len(nodes), seed), index=index)
+        else:
+            nodes, adj = index_graph(G)
+            order, higher, tail, _ = engine(adj, _ranks(len(nodes), seed))
         return build_decomposition(nodes, order, higher, tail)
 
 
