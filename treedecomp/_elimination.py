@@ -119,8 +119,8 @@ def graph_rows(G: nx.Graph) -> tuple[list[Hashable], list, dict | None]:
     if compiled is None or G.is_directed() or type(adjacency) is not dict:
         nodes, adj = index_graph(G)
         return nodes, adj, None
-    nodes = list(adjacency)
-    return nodes, list(adjacency.values()), dict(zip(nodes, range(len(nodes))))
+    nodes = list(G)
+    return nodes, [adjacency[v] for v in nodes], dict(zip(nodes, range(len(nodes))))
 
 
 def triangle_counts(adj: list[set[int]], stop=None) -> list[int] | None:
