@@ -579,6 +579,28 @@ static int read_ints(PyObject *seq, int *out, Py_ssize_t n, Py_ssize_t limit) {
     return 0;
 }
 
+/* Append to bags the frozenset of the labels of vertex first (unless it is
+   -1) and of the n vertices in rest. */
+static int append_bag(PyObject *bags, PyObject **labels, int first, const int *rest, Py_ssize_t n) {
+    Py_ssize_t lead = first >= 0 ? 1 : 0;
+    PyObject *members = PyTuple_New(n + lead);
+    if (!members) return -1;
+    if (lead) {
+        Py_INCREF(labels[first]);
+        PyTuple_SET_ITEM(members, 0, labels[first]);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_INCREF(labels[rest[i]]);
+        PyTuple_SET_ITEM(members, i + lead, labels[rest[i]]);
+    }
+    PyObject *bag = PyFrozenSet_New(members);
+    Py_DECREF(members);
+    if (!bag) return -1;
+    int failed = PyList_Append(bags, bag);
+    Py_DECREF(bag);
+    return failed;
+}
+
 static PyObject *build_decomposition(PyObject *self, PyObject *args) {
     PyObject *nodes, *order_in, *higher, *tail_in;
     if (!PyArg_ParseTuple(args, "OOOO", &nodes, &order_in, &higher, &tail_in)) return NULL;
@@ -646,21 +668,7 @@ static PyObject *build_decomposition(PyObject *self, PyObject *args) {
         int node = absorbed[v];
         if (node < 0) {
             node = (int)PyList_GET_SIZE(bags);
-            PyObject *members = PyTuple_New(h + 1);
-            if (!members) goto done;
-            Py_INCREF(labels[v]);
-            PyTuple_SET_ITEM(members, 0, labels[v]);
-            for (Py_ssize_t i = 0; i < h; i++) {
-                Py_INCREF(labels[buf[i]]);
-                PyTuple_SET_ITEM(members, i + 1, labels[buf[i]]);
-            }
-            PyObject *bag = PyFrozenSet_New(members);
-            Py_DECREF(members);
-            if (!bag || PyList_Append(bags, bag) < 0) {
-                Py_XDECREF(bag);
-                goto done;
-            }
-            Py_DECREF(bag);
+            if (append_bag(bags, labels, v, buf, h) < 0) goto done;
         }
         node_of[v] = node;
         if (h > 0) {
@@ -683,19 +691,7 @@ static PyObject *build_decomposition(PyObject *self, PyObject *args) {
         tail_node = tail_absorber;
         if (tail_node < 0) {
             tail_node = (int)PyList_GET_SIZE(bags);
-            PyObject *members = PyTuple_New(nt);
-            if (!members) goto done;
-            for (Py_ssize_t i = 0; i < nt; i++) {
-                Py_INCREF(labels[tail[i]]);
-                PyTuple_SET_ITEM(members, i, labels[tail[i]]);
-            }
-            PyObject *bag = PyFrozenSet_New(members);
-            Py_DECREF(members);
-            if (!bag || PyList_Append(bags, bag) < 0) {
-                Py_XDECREF(bag);
-                goto done;
-            }
-            Py_DECREF(bag);
+            if (append_bag(bags, labels, -1, tail, nt) < 0) goto done;
         }
         for (Py_ssize_t i = 0; i < nt; i++) node_of[tail[i]] = tail_node;
     }

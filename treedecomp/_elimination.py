@@ -55,7 +55,7 @@ Python code.
 """
 if os.environ.get("TREEDECOMP_PURE_PYTHON", "") in ("", "0"):
     try:
-        from . import _compiled as compiled
+        import treedecomp._compiled as compiled
     except ImportError:
         compiled = None
 
