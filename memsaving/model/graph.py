@@ -284,7 +284,8 @@ def gradient_sinks(model: GraphModel) -> Set[int]:
     TensorFlow's gradient of a view is the gradient of its output itself, so
     the gradient made where a variable's read is consumed (a weight gradient)
     is already the variable's: no op waits for the rest of the backward pass
-    before it is handed on."""
+    before it is handed on, unless the variable is read more than once
+    (:func:`shared_results`)."""
     xs = set(model.xs)
     sinks = set(xs)
     for op in model.ops:
@@ -292,6 +293,58 @@ def gradient_sinks(model: GraphModel) -> Set[int]:
                 model.tensors[t].nbytes == 0 and model.tensors[t].value_bytes is not None for t in op.outputs):
             sinks.update(op.outputs)
     return sinks
+
+
+def gradient_ops(model: GraphModel) -> Set[int]:
+    """Ops whose gradient runs: forward ops with an output that receives a
+    gradient (from the loss seed or a consumer's gradient), by the rule of
+    ``simulate``: a gradient flows into an input that is a gradient sink
+    (:func:`memsaving.model.graph.gradient_sinks`) or is produced by a forward op,
+    when the input is trainable.  Views of ``xs`` run no gradient."""
+    xs = gradient_sinks(model)
+    has_grad = {y for y in model.ys if model.tensors[y].trainable}
+    found = set()
+    for i in range(len(model.ops) - 1, -1, -1):
+        op = model.ops[i]
+        if not op.forward or not any(t in has_grad for t in op.outputs):
+            continue
+        if op.outputs and all(t in xs and t not in model.xs for t in op.outputs):
+            continue  # a view of xs: its output's gradient is the result
+        found.add(i)
+        for t in op.inputs:
+            if receives_gradient(model, t, xs):
+                has_grad.add(t)
+    return found
+
+
+def shared_results(model: GraphModel) -> Dict[int, Tuple[int, int]]:
+    """The results that several gradient contributions sum into: for each
+    gradient sink of such a result, ``(base, contributions)``, where
+    ``base`` is the ``x`` the sink is (or is a view of) and
+    ``contributions`` the number of gradients added to ``base`` in all.
+
+    A variable read twice (a tied embedding: looked up at the input, read
+    transposed by the output layer; a layer applied twice) has a sink per
+    read, and TensorFlow sums their gradients into the variable's: the
+    contributions made first are held until the last one arrives.  Sinks
+    of a result with one contribution are left out: theirs is handed on at
+    once (:func:`gradient_sinks`)."""
+    sinks = gradient_sinks(model)
+    xs = set(model.xs)
+
+    def base(t: int) -> int:
+        if t in xs:
+            return t
+        return next(x for x in model.ops[model.tensors[t].producer].inputs if x in xs)
+
+    counts: Dict[int, int] = {}
+    fed: Dict[int, int] = {}
+    for j in gradient_ops(model):
+        for t in model.ops[j].inputs:
+            if t in sinks and receives_gradient(model, t, sinks):
+                b = fed[t] = base(t)
+                counts[b] = counts.get(b, 0) + 1
+    return {t: (b, counts[b]) for t, b in fed.items() if counts[b] > 1}
 
 
 def without_forwarding(model: GraphModel) -> GraphModel:

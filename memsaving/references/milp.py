@@ -13,7 +13,7 @@ against it.  Everything here works on the neutral
 Training graph
   One forward node per op of the model (its cost ``op.cost``, its memory
   the bytes of all its outputs) and one backward node per op whose gradient
-  runs (:func:`memsaving.sim.replay.gradient_ops`), in the order: all forward
+  runs (:func:`memsaving.model.graph.gradient_ops`), in the order: all forward
   nodes, then the backward nodes in reverse op order (the order plain
   backprop runs them).  A backward node reads the forward nodes producing
   its op's ``grad_reads`` and the gradients made by earlier backward nodes.
@@ -92,7 +92,8 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
 from memsaving.model.graph import GraphModel, gradient_sinks, without_forwarding
-from memsaving.sim.replay import Event, gradient_ops, plain_schedule, schedule_actions, simulate_schedule
+from memsaving.model.graph import gradient_ops
+from memsaving.sim.replay import Event, plain_schedule, schedule_actions, simulate_schedule
 from memsaving.model.buffers import Action, memory_replay
 from memsaving.sim.simulate import Simulation
 

@@ -14,7 +14,9 @@ from operator import attrgetter
 from typing import Any, Callable, Container, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
 
 from memsaving.model.buffers import Action, BufferRows, Key, on_buffers, with_reads
-from memsaving.model.graph import BACKWARD_COST_FACTOR, GraphModel, OpInfo, gradient_sinks, receives_gradient
+from memsaving.model.graph import (
+    BACKWARD_COST_FACTOR, GraphModel, OpInfo, gradient_sinks, receives_gradient, shared_results,
+)
 from memsaving.model.schedule import RECOMPUTING, Unit, UnitKind, recomputes_anchor
 from memsaving.sim.blocks import UnitBlock, UnitMemo, runs
 
@@ -63,7 +65,11 @@ class GradientBuffers:
     consumer's gradient; each contribution reads the running sum and writes
     the new sum into a new buffer (``("g", t, version)``), so the previous
     version dies with it.  The gradients of :func:`memsaving.model.graph.gradient_sinks`
-    are results, one buffer each (``("g", x)``).  A gradient folded into a
+    are results, one buffer each (``("g", x)``), except that the contributions
+    to a result several sinks feed (:func:`memsaving.model.graph.shared_results`:
+    a variable read twice) are summed as they arrive, each partial sum in a
+    buffer of its own (``("g", x, "partial", k)``) held until the next, and
+    the last writes the result.  A gradient folded into a
     constant (:attr:`memsaving.model.graph.TensorInfo.folded_gradient`) takes
     no bytes in the step: it is counted in the model's resident bytes.
 
@@ -81,9 +87,13 @@ class GradientBuffers:
     def __init__(self, model: GraphModel):
         self.model = model
         self.sinks, self.nbytes = model.derived("gradient buffers", lambda: _gradient_buffers(model))
+        self.shared = model.derived("shared results", lambda: shared_results(model))
         self.latest: Dict[int, Key] = {}
         """Each tensor's running sum so far (the key object itself, so the
         replay's look-ups of a buffer written and read find the same one)."""
+        self.partial: Dict[int, Tuple[int, Key, int]] = {}
+        """For each shared result (by its ``x``): the contributions summed so
+        far, the buffer holding their sum and its bytes."""
 
     def has(self, t: int) -> bool:
         """Whether a contribution to ``t``'s gradient (not a result's) was written."""
@@ -104,7 +114,11 @@ class GradientBuffers:
         ``reads`` and ``writes`` are given: it reads the running sum, if
         any, and writes the new sum."""
         if t in self.sinks:
-            writes.append((("g", t), self.nbytes[t]))
+            shared = self.shared.get(t)
+            if shared is None:
+                writes.append((("g", t), self.nbytes[t]))
+            else:
+                self._add_to_shared(t, *shared, reads, writes)
             return
         previous = self.latest.get(t)
         if previous is None:
@@ -114,6 +128,22 @@ class GradientBuffers:
             key = ("g", t, previous[2] + 1)
         self.latest[t] = key
         writes.append((key, self.nbytes[t]))
+
+
+    def _add_to_shared(self, t: int, x: int, contributions: int, reads: List[Key],
+                       writes: List[Tuple[Key, int]]) -> None:
+        """One contribution, through sink ``t``, to the result of ``x`` that
+        ``contributions`` gradients sum into: it reads the partial sum, if
+        any, and writes the next one, or the result when it is the last.  A
+        sum is as large as its largest term (a lookup's sparse gradient
+        added to a dense one is made dense)."""
+        done, held, nbytes = self.partial.get(x, (0, None, 0))
+        nbytes = max(nbytes, self.nbytes[t])
+        if held is not None:
+            reads.append(held)
+        key = ("g", t) if done + 1 >= contributions else ("g", x, "partial", done)
+        self.partial[x] = (done + 1, key, nbytes)
+        writes.append((key, nbytes))
 
 
 def _gradient_buffers(model: GraphModel) -> Tuple[FrozenSet[int], Dict[int, int]]:
@@ -255,9 +285,14 @@ def step_blocks(model: GraphModel, units: List[Unit]) -> Optional[Tuple[List[Uni
     None when the plan is better replayed as one list of actions
     (:func:`step_actions`): when most of its runs were never seen (the
     first plans of a search, which share little: making blocks for them
-    would cost more than it saves), and when two of its units copy with
+    would cost more than it saves), when two of its units copy with
     the same tag and anchor (inner checkpoints shared by two segments: a
-    unit's views would pin the bases the other unit copies)."""
+    unit's views would pin the bases the other unit copies), and when the
+    model has shared results (:func:`memsaving.model.graph.shared_results`:
+    which contribution to one comes last depends on the whole plan, not
+    on the state the memo keys its blocks by)."""
+    if model.derived("shared results", lambda: shared_results(model)):
+        return None
     memo = model.derived("unit blocks", lambda: _unit_memo(model))
     memo.begin()
     step = _BackwardPass(model)

@@ -23,35 +23,13 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Sequence, Set, Tuple
 
-from memsaving.model.graph import GraphModel, gradient_sinks, receives_gradient
+from memsaving.model.graph import GraphModel, gradient_ops, gradient_sinks, receives_gradient
 from memsaving.model.schedule import UnitKind, backward_units, kept_set, recomputes_anchor
 from memsaving.sim.actions import GradientBuffers, op_action, result_keys, saved_key
 from memsaving.model.buffers import Action, Key, memory_replay
 from memsaving.sim.simulate import Simulation
 
 Event = Tuple[str, int]
-
-
-def gradient_ops(model: GraphModel) -> Set[int]:
-    """Ops whose gradient runs: forward ops with an output that receives a
-    gradient (from the loss seed or a consumer's gradient), by the rule of
-    ``simulate``: a gradient flows into an input that is a gradient sink
-    (:func:`memsaving.model.graph.gradient_sinks`) or is produced by a forward op,
-    when the input is trainable.  Views of ``xs`` run no gradient."""
-    xs = gradient_sinks(model)
-    has_grad = {y for y in model.ys if model.tensors[y].trainable}
-    found = set()
-    for i in range(len(model.ops) - 1, -1, -1):
-        op = model.ops[i]
-        if not op.forward or not any(t in has_grad for t in op.outputs):
-            continue
-        if op.outputs and all(t in xs and t not in model.xs for t in op.outputs):
-            continue  # a view of xs: its output's gradient is the result
-        found.add(i)
-        for t in op.inputs:
-            if receives_gradient(model, t, xs):
-                has_grad.add(t)
-    return found
 
 
 def plain_schedule(model: GraphModel) -> List[Event]:

@@ -3,7 +3,7 @@ gradients going back, resident bytes, and the step time on three streams."""
 
 import pytest
 
-from memsaving.model.graph import GraphModel, OpInfo, TensorInfo
+from chains import dense_chain
 from memsaving.model.schedule import backward_units, kept_set
 from memsaving.sim.actions import step_actions
 from memsaving.sim.offload import (add_offload, device_resident_bytes, simulate_offload, simulate_resident,
@@ -16,26 +16,7 @@ ACTIVATION = 64
 
 
 def _dense_chain(layers=8, weight=WEIGHT, activation=ACTIVATION, flops=1e6):
-    """x -> (read w_k, matmul, tanh) * layers -> loss, as a Keras MLP extracts:
-    the weight's read is a view (0 bytes) of the variable behind a handle."""
-    tensors = {0: TensorInfo("x", activation, trainable=False)}
-    ops, h, handles = [], 0, []
-    for k in range(layers):
-        handle, value, product, out = 10 * k + 1, 10 * k + 2, 10 * k + 3, 10 * k + 4
-        tensors[handle] = TensorInfo(f"w{k}", 0, constant=True, value_bytes=weight)
-        handles.append(handle)
-        tensors[value] = TensorInfo(f"read{k}", 0, len(ops), value_bytes=weight)
-        ops.append(OpInfo(f"read{k}", "ReadVariableOp", (handle,), (value,), copyable=False))
-        tensors[product] = TensorInfo(f"matmul{k}", activation, len(ops))
-        ops.append(OpInfo(f"matmul{k}", "MatMul", (h, value), (product,), grad_reads=(h, value),
-                          input_grad_reads=((value,), (h,)), cost=flops))
-        tensors[out] = TensorInfo(f"tanh{k}", activation, len(ops))
-        ops.append(OpInfo(f"tanh{k}", "Tanh", (product,), (out,), grad_reads=(out,), cost=activation))
-        h = out
-    tensors[1000] = TensorInfo("loss", 4, len(ops))
-    ops.append(OpInfo("loss", "Sum", (h,), (1000,), cost=activation))
-    resident = activation + layers * weight
-    return GraphModel(ops, tensors, xs=handles, ys=[1000], resident_bytes=resident, separate_result_kernels=True)
+    return dense_chain(layers, weight, activation, flops)
 
 
 def _plain_actions(model, checkpoints=()):
