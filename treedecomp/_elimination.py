@@ -110,9 +110,9 @@ def graph_rows(G: nx.Graph) -> tuple[list[Hashable], list, dict | None]:
 
     With the compiled engine and an undirected graph, ``rows`` are ``G``'s
     own neighbour dicts and ``index`` maps each vertex to its position:
-    the engine reads labels directly, and no Python sets are built (on
-    graphs of tens of thousands of small neighbourhoods that took as long
-    as the compiled elimination itself).  Otherwise ``rows`` are the integer
+    the engine reads labels directly, and no Python sets are built (for a
+    graph of many small neighbourhoods, building them costs as much as the
+    compiled elimination).  Otherwise ``rows`` are the integer
     sets of :func:`index_graph` and ``index`` is None.
     """
     adjacency = getattr(G, "_adj", None)

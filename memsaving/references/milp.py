@@ -91,8 +91,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from memsaving.model.graph import GraphModel, gradient_sinks, without_forwarding
-from memsaving.model.graph import gradient_ops
+from memsaving.model.graph import GraphModel, gradient_ops, gradient_sinks, without_forwarding
 from memsaving.sim.replay import Event, plain_schedule, schedule_actions, simulate_schedule
 from memsaving.model.buffers import Action, memory_replay
 from memsaving.sim.simulate import Simulation

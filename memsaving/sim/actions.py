@@ -129,7 +129,6 @@ class GradientBuffers:
         self.latest[t] = key
         writes.append((key, self.nbytes[t]))
 
-
     def _add_to_shared(self, t: int, x: int, contributions: int, reads: List[Key],
                        writes: List[Tuple[Key, int]]) -> None:
         """One contribution, through sink ``t``, to the result of ``x`` that
