@@ -555,10 +555,13 @@ def test_keras_enable_budget_calibrates_during_fit(capsys):
     assert rounds[0].planned_for == budget < rounds[0].measured_peak
     # Every retrace planned for less, and the planner met the lowered budget as predicted, or gave
     # its lowest plan, and only when that one is lower than the plan measured before it (above their
-    # resident bytes, which include what the device held at each trace).
+    # resident bytes, which include what the device held at each trace).  A plan that meets its
+    # lowered budget may still sit higher above its resident bytes than the last one did, when the
+    # device held less at its trace: budgets are about the whole peak.
     assert all(r.predicted_peak <= r.planned_for or r.lowest for r in rounds)
+    assert all(later.planned_for < earlier.planned_for for earlier, later in zip(rounds, rounds[1:]))
     assert all(later.predicted_peak - later.resident < earlier.predicted_peak - earlier.resident
-               for earlier, later in zip(rounds, rounds[1:]))
+               for earlier, later in zip(rounds, rounds[1:]) if later.lowest)
     if error is not None:
         assert "round 1: planned for" in str(error)
         assert error.smallest_budget == _lowest_plus_slack(rounds)
