@@ -87,7 +87,7 @@ class GradientBuffers:
     def __init__(self, model: GraphModel):
         self.model = model
         self.sinks, self.nbytes = model.derived("gradient buffers", lambda: _gradient_buffers(model))
-        self.shared = model.derived("shared results", lambda: shared_results(model))
+        self.shared = shared_results_of(model)
         self.latest: Dict[int, Key] = {}
         """Each tensor's running sum so far (the key object itself, so the
         replay's look-ups of a buffer written and read find the same one)."""
@@ -143,6 +143,11 @@ class GradientBuffers:
         key = ("g", t) if done + 1 >= contributions else ("g", x, "partial", done)
         self.partial[x] = (done + 1, key, nbytes)
         writes.append((key, nbytes))
+
+
+def shared_results_of(model: GraphModel) -> Dict[int, Tuple[int, int]]:
+    """:func:`memsaving.model.graph.shared_results`, found once per model."""
+    return model.derived("shared results", lambda: shared_results(model))
 
 
 def _gradient_buffers(model: GraphModel) -> Tuple[FrozenSet[int], Dict[int, int]]:
@@ -290,7 +295,7 @@ def step_blocks(model: GraphModel, units: List[Unit]) -> Optional[Tuple[List[Uni
     model has shared results (:func:`memsaving.model.graph.shared_results`:
     which contribution to one comes last depends on the whole plan, not
     on the state the memo keys its blocks by)."""
-    if model.derived("shared results", lambda: shared_results(model)):
+    if shared_results_of(model):
         return None
     memo = model.derived("unit blocks", lambda: _unit_memo(model))
     memo.begin()
