@@ -302,13 +302,14 @@ def gradient_ops(model: GraphModel) -> Set[int]:
     (:func:`memsaving.model.graph.gradient_sinks`) or is produced by a forward op,
     when the input is trainable.  Views of ``xs`` run no gradient."""
     xs = gradient_sinks(model)
+    given = set(model.xs)
     has_grad = {y for y in model.ys if model.tensors[y].trainable}
     found = set()
     for i in range(len(model.ops) - 1, -1, -1):
         op = model.ops[i]
         if not op.forward or not any(t in has_grad for t in op.outputs):
             continue
-        if op.outputs and all(t in xs and t not in model.xs for t in op.outputs):
+        if op.outputs and all(t in xs and t not in given for t in op.outputs):
             continue  # a view of xs: its output's gradient is the result
         found.add(i)
         for t in op.inputs:

@@ -416,12 +416,12 @@ def minimum_peak(model: GraphModel, candidates: Sequence, *, keep_x_gradients: b
     return min(peaks)
 
 
-REFINED_SEARCH_EVALUATIONS = 20
+REFINED_SEARCH_EVALUATIONS = 8
 """Simulations of the single-level search when the per-op refinement
 follows it (:func:`plan_for_budget`; 40 when the search alone decides, as in
 :func:`select_for_budget`): the refinement starts from the search's plan
 and recomputes far less, so a rougher start costs little.  More on graphs
-under 1,000 ops (:func:`_evaluations`)."""
+under 2,500 ops (:func:`_evaluations`), whose simulations are cheap."""
 
 
 def plan_for_budget(

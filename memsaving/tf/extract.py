@@ -498,8 +498,9 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
         )
         if op.name in measured:
             info = _with_profile(info, measured[op.name], tensors, variants)
-        if op in differentiated and op not in customs:
-            info = replace(info, saved_bytes=info.saved_bytes + _precomputed_factor(op, batch_size))
+        factor = _precomputed_factor(op, batch_size) if op in differentiated and op not in customs else 0
+        if factor:
+            info = replace(info, saved_bytes=info.saved_bytes + factor)
         if rows:
             info = replace(info, row_splits=row_splits(op, batch_size))
         if _cube(op):

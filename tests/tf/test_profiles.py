@@ -296,6 +296,36 @@ def test_repeated_blocks_share_signatures(cache_dir):
     assert 0 < plan.profiled_signatures + plan.cached_signatures <= 8
 
 
+def test_placeholder_signatures_agree_with_recipes():
+    """Ops profiling looks up by the shortcut signature get the recipe
+    (and so the cache key) op_recipe makes for each of them."""
+    model = models.residual_convnet(size=16, blocks=2, filters=(8, 16))
+
+    @tf.function
+    def step(x):
+        h = model(x, training=True)
+        return tf.multiply(h, h) + tf.multiply(h, tf.nn.relu(h))  # one input read twice, and two inputs
+
+    ops = step.get_concrete_function(tf.TensorSpec([4, 16, 16, 3])).graph.get_operations()
+    by_signature = {}
+    shortcut = 0
+    for op in ops:
+        signature = profiles._placeholder_signature(op, 4)
+        if signature is None:
+            continue
+        shortcut += 1
+        recipe = profiles.op_recipe(op, 4)
+        by_signature.setdefault(signature, set()).add(None if recipe is None else recipe.key)
+    assert shortcut > 20
+    assert all(len(keys) == 1 for keys in by_signature.values())
+    squares = [op for op in ops if op.type == "Mul" and op.inputs[0] is op.inputs[1]]
+    products = [op for op in ops if op.type == "Mul" and op.inputs[0] is not op.inputs[1]
+                and op.inputs[0].shape == op.inputs[1].shape == squares[0].inputs[0].shape]
+    assert squares and products
+    assert profiles._placeholder_signature(squares[0], 4) != profiles._placeholder_signature(products[0], 4)
+    assert profiles.op_recipe(squares[0], 4).key != profiles.op_recipe(products[0], 4).key
+
+
 def test_corrupt_cache_file_is_tolerated(cache_dir):
     path = profiles.cache_path()
     assert path.startswith(str(cache_dir))
