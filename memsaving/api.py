@@ -262,7 +262,10 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
             "gradients.",
             stacklevel=2,
         )
-    with tf.name_scope(options.gradient.name):
+    # Planning and the rewrite make hundreds of thousands of objects, nearly
+    # all freed by reference counting: full collections they would trigger
+    # walk the whole traced graph for nothing (see collector_paused).
+    with tf.name_scope(options.gradient.name), collector_paused():
         ys, xs = _graph_tensors(ys, xs)
         grad_ys = _graph_grad_ys(grad_ys, ys)
         fwd, plan_, model = _plan(ys, xs, checkpoints, budget, options,

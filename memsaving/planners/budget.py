@@ -442,10 +442,11 @@ def plan_for_budget(
     with ``per_op``, their per-op refinements (:mod:`memsaving.planners.refine`:
     keep more of the recomputed ops, or start from keeping everything and
     recompute only ops cheap per byte) compete with them; with
-    ``multilevel``, recursive plans from the multi-level DP
-    (:mod:`memsaving.planners.nested`) too, all judged by the same simulator.
-    Recursive plans reach budgets below any single-level plan, for more
-    recomputation.
+    ``multilevel``, when none of those fits, recursive plans from the
+    multi-level DP (:mod:`memsaving.planners.nested`), all judged by the
+    same simulator.  Recursive plans reach budgets below any single-level
+    plan, for more recomputation (an op may be recomputed twice), so they
+    are searched only where no single-level plan fits.
 
     ``or_lowest``: when nothing fits, return the lowest-peak plan found
     instead of raising (its ``peak`` is then above ``budget``).  A
@@ -470,7 +471,6 @@ def plan_for_budget(
     found = _search(model, candidates, budget, keep_x_gradients=keep_x_gradients, cut_bytes=cut_bytes,
                     max_evaluations=searched)
     proposals = []
-    floor = None
     if found.best is not None:
         cost, peak = found.evaluated[found.best]
         proposals.append(Proposal(_ops_of(found.cuts, found.best), peak, cost, name="single-level"))
@@ -478,9 +478,8 @@ def plan_for_budget(
         starts = [_ops_of(found.cuts, found.best)] if found.best is not None else []
         proposals += refined_plans(model, starts, budget, keep_x_gradients=keep_x_gradients,
                                    max_evaluations=max_evaluations, descend=bool(starts))
-    if multilevel:
+    if multilevel and not proposals:
         for nested, sim in _nested_search(model, candidates, budget, keep_x_gradients):
-            floor = sim.peak_bytes if floor is None else min(floor, sim.peak_bytes)
             if sim.peak_bytes <= budget:
                 proposals.append(Proposal(nested.checkpoint_ops, sim.peak_bytes, sim.recompute_cost,
                                           inner=nested.inner, name="multi-level"))

@@ -172,7 +172,8 @@ def _replay(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: Op
 @contextmanager
 def collector_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector while a plan is replayed or
-    searched for.
+    searched for (and, in :func:`memsaving.gradients`, while the step is
+    planned and rewritten).
 
     A replay makes tens of thousands of actions, lists and tuples that live
     until it returns and form no reference cycles (reference counting frees

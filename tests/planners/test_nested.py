@@ -89,6 +89,26 @@ def test_multilevel_is_never_worse_than_single_level():
         assert both.recompute_cost <= single.recompute_cost
 
 
+def test_multilevel_search_runs_only_where_no_single_level_plan_fits(monkeypatch):
+    from memsaving.planners import budget as budget_module
+
+    model = _chain(100, seed=1)
+    candidates = list(range(99))
+    plain = simulate(model).peak_bytes
+    searched = []
+    real = budget_module._nested_search
+
+    def counted(*args, **kwargs):
+        searched.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(budget_module, "_nested_search", counted)
+    roomy = plan_for_budget(model, candidates, int(0.3 * plain))
+    assert roomy.peak <= int(0.3 * plain) and not roomy.inner and not searched
+    tight = plan_for_budget(model, candidates, int(0.12 * plain))  # below every single-level plan (test above)
+    assert searched and tight.inner and tight.peak <= int(0.12 * plain)
+
+
 def test_the_dp_skips_only_budgets_it_finds_nothing_for(monkeypatch):
     """nested_dp returns None without its tables when some stretch lies in
     no leaf that fits (leaves_cover); over random chains and budgets from
