@@ -109,6 +109,30 @@ def test_multilevel_search_runs_only_where_no_single_level_plan_fits(monkeypatch
     assert searched and tight.inner and tight.peak <= int(0.12 * plain)
 
 
+def test_no_recursive_plan_recomputes_less_where_a_single_level_plan_fits():
+    """Why plan_for_budget searches recursive plans only where nothing
+    single-level fits: over random chains and budgets, every recursive plan
+    that fits recomputes at least as much as the single-level (and per-op)
+    plan found for the same budget."""
+    from memsaving.planners.budget import _nested_search
+
+    compared = 0
+    for seed, reads in enumerate(("input", "output", "both") * 2):
+        model = _chain(30, seed=seed, reads=reads)
+        plain = simulate(model).peak_bytes
+        for fraction in (0.3, 0.45, 0.6, 0.75, 0.9):
+            budget = int(fraction * plain)
+            try:
+                single = plan_for_budget(model, list(range(29)), budget, multilevel=False)
+            except BudgetError:
+                continue
+            for _, sim in _nested_search(model, list(range(29)), budget, False):
+                if sim.peak_bytes <= budget:
+                    compared += 1
+                    assert sim.recompute_cost >= single.recompute_cost, (seed, fraction)
+    assert compared >= 10
+
+
 def test_the_dp_skips_only_budgets_it_finds_nothing_for(monkeypatch):
     """nested_dp returns None without its tables when some stretch lies in
     no leaf that fits (leaves_cover); over random chains and budgets from

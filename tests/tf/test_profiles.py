@@ -319,9 +319,10 @@ def test_placeholder_signatures_agree_with_recipes():
     assert shortcut > 20
     assert all(len(keys) == 1 for keys in by_signature.values())
     squares = [op for op in ops if op.type == "Mul" and op.inputs[0] is op.inputs[1]]
+    assert squares
     products = [op for op in ops if op.type == "Mul" and op.inputs[0] is not op.inputs[1]
                 and op.inputs[0].shape == op.inputs[1].shape == squares[0].inputs[0].shape]
-    assert squares and products
+    assert products
     assert profiles._placeholder_signature(squares[0], 4) != profiles._placeholder_signature(products[0], 4)
     assert profiles.op_recipe(squares[0], 4).key != profiles.op_recipe(products[0], 4).key
 
