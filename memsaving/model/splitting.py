@@ -227,6 +227,55 @@ def region_tensors(model: GraphModel, ops: Sequence[int], rows: int) -> Tuple[Li
     return list(row_in), list(whole_in), list(outputs)
 
 
+IN_PLACE_PRODUCTS = frozenset({"MatMul"})
+"""Ops whose weight (second input, a matrix) gets its gradient accumulated
+in place, block by block (:func:`in_place_weights`)."""
+
+
+def gradient_blocks(weight_rows: int, weight_bytes: int, piece_output_bytes: int) -> int:
+    """How many blocks of rows a weight's gradient, accumulated in place, is
+    made in for each piece: enough that a block is no larger than the
+    piece of the product it comes from (whose gradient is alive beside it),
+    and at most one per row.
+
+    Examples
+    --------
+    A 256 x 32,000 head (31.25 MiB) after a piece of 32 tokens (4 MiB of logits):
+
+    >>> gradient_blocks(256, 256 * 32000 * 4, 32 * 32000 * 4)
+    8
+    """
+    return max(1, min(weight_rows, -(-weight_bytes // max(piece_output_bytes, 1))))
+
+
+def in_place_weights(model: GraphModel, ops: Sequence[int], rows: int, chunks: int) -> Dict[int, int]:
+    """The region's whole inputs whose gradient is accumulated in place,
+    each with its :func:`gradient_blocks`.
+
+    A weight's gradient is a sum over the pieces.  Summed as tensors, the
+    running sum and the next piece's term are alive together: twice the
+    weight, which for a language model's head is more than everything else
+    the piece holds.  A matrix that one product of the region reads as its
+    weight (and nothing else in the region reads) has its gradient made
+    instead in blocks of rows, each added into one buffer in place, so the
+    piece's term is never whole."""
+    members = set(ops)
+    found: Dict[int, int] = {}
+    _, whole_in, _ = region_tensors(model, ops, rows)
+    sinks = gradient_sinks(model)
+    for t in whole_in:
+        info = model.tensors[t]
+        readers = [i for i in model.consumers(t) if i in members]
+        if len(readers) != 1 or info.shape is None or len(info.shape) != 2 or not receives_gradient(model, t, sinks):
+            continue
+        op = model.ops[readers[0]]
+        if op.type not in IN_PLACE_PRODUCTS or op.inputs[1:] != (t,) or op.inputs[0] == t:
+            continue
+        output = piece_bytes(model, op.outputs[0], rows, chunks)
+        found[t] = gradient_blocks(info.shape[0], info.gradient_bytes, output)
+    return found
+
+
 def piece_bytes(model: GraphModel, t: int, rows: int, chunks: int) -> int:
     """Bytes of the largest piece of row tensor ``t``."""
     nbytes = model.tensors[t].nbytes
@@ -240,10 +289,13 @@ def piece_model(model: GraphModel, ops: Sequence[int], rows: int, chunks: int) -
     Work buffers are taken to shrink with the rows, as a product's or a
     softmax's do, except those of :data:`FIXED_WORK_BUFFERS` (a
     convolution's work buffer hardly shrinks with the batch), which stay as
-    measured for the whole tensors."""
+    measured for the whole tensors.  A weight whose gradient is accumulated
+    in place (:func:`in_place_weights`) gets a gradient of one block: the
+    piece's term is made a block at a time."""
     members = set(ops)
     index = {i: k for k, i in enumerate(ops)}
     row_in, whole_in, outputs = region_tensors(model, ops, rows)
+    in_place = in_place_weights(model, ops, rows, chunks)
     tensors: Dict[int, TensorInfo] = {}
 
     def info(t: int) -> TensorInfo:
@@ -251,7 +303,9 @@ def piece_model(model: GraphModel, ops: Sequence[int], rows: int, chunks: int) -
         producer = index[base.producer] if base.producer in members else -1
         nbytes = base.nbytes
         value = base.value_bytes
-        if row_dims(base.shape, rows) is not None:
+        if t in in_place:
+            value = -(-base.gradient_bytes // in_place[t])
+        elif row_dims(base.shape, rows) is not None:
             nbytes = piece_bytes(model, t, rows, chunks)
             if value is not None:
                 value = -(-value * math.ceil(rows / chunks) // rows)

@@ -16,7 +16,13 @@ in ``k`` pieces of rows.  For each region :class:`SplitEmitter` makes:
   gradients of the region's outputs exist, differentiated with
   ``tf.gradients`` against the pieces of those gradients, and the results
   gathered: the gradients of whole inputs (weights) summed piece after
-  piece, those of row inputs concatenated;
+  piece, those of row inputs concatenated.  A weight that one product of
+  the region reads (:func:`memsaving.model.splitting.in_place_weights`)
+  is not differentiated by ``tf.gradients``: its gradient is made from the
+  piece's input and the gradient of the product, a block of rows at a
+  time, each block added in place into one buffer (``InplaceAdd`` on a
+  buffer of its own from ``Empty``, which nothing else reads), so that
+  neither a whole term nor a second sum is ever alive beside it;
 * **the rewiring**: every reader of a region output (the ops after the
   region, the backward units that read it) reads the concatenated one, so
   the original ops of the region are read by nothing and TensorFlow prunes
@@ -34,9 +40,10 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
+from tensorflow.python.ops import gen_array_ops
 from tensorflow.python.util import object_identity
 
-from memsaving.model.splitting import METADATA_OPS, SplitRegion, row_dims
+from memsaving.model.splitting import IN_PLACE_PRODUCTS, METADATA_OPS, SplitRegion, gradient_blocks, row_dims
 from memsaving.tf.aggregation import producing_ops
 from memsaving.tf.forward import is_trainable
 from memsaving.tf.rows import metadata_value, piece_op, piece_shape, row_splits, static_shape
@@ -160,6 +167,8 @@ class SplitEmitter:
         incoming = [(t, self._rows_of(g, f"{prefix}grad_{i}_")) for i, (t, g) in enumerate(out_grads.items())
                     if g is not None]
         whole = [read(t) for t in wanted_whole]
+        in_place = {k: reader for k, reader in ((k, self._in_place_reader(t)) for k, t in enumerate(wanted_whole))
+                    if reader is not None}
         sums: List[Optional[tf.Tensor]] = [None] * len(wanted_whole)
         slices: List[List] = [[] for _ in wanted_whole]
         row_grads: List[List] = [[] for _ in wanted_rows]
@@ -170,11 +179,21 @@ class SplitEmitter:
                                 for i, (t, r) in enumerate(zip(self.row_inputs, rows)))
             made = self._run_piece(c, inputs, f"{prefix}piece_{c}/", _by_tensor(zip(wanted_whole, whole)))
             ys = [made[t] for t, _ in incoming]
-            xs = [inputs[t] for t in wanted_rows] + whole
+            # a weight accumulated in place: the gradient of its product instead
+            products = {k: made[reader.outputs[0]] for k, reader in in_place.items()
+                        if made[reader.outputs[0]].op.type == reader.type}
+            xs = ([inputs[t] for t in wanted_rows] + [products.get(k, w) for k, w in enumerate(whole)])
             grad_ys = [self._piece_of(r, c, f"{prefix}grad_{k}_") for k, (_, r) in enumerate(incoming)]
             results = gradients_fn(ys, xs, grad_ys=grad_ys, **gradient_kwargs)
-            results_rows, results_whole = results[:len(wanted_rows)], results[len(wanted_rows):]
+            results_rows, results_whole = list(results[:len(wanted_rows)]), list(results[len(wanted_rows):])
             finished = []
+            for k, product in products.items():
+                grad = results_whole[k]
+                results_whole[k] = None
+                if grad is not None:
+                    sums[k] = self._accumulate(sums[k], product.op, tf.convert_to_tensor(grad),
+                                               f"{prefix}in_place_{k}_{c}")
+                    finished.append(sums[k])
             for k, g in enumerate(results_rows):
                 row_grads[k].append(g)
                 if g is not None:
@@ -203,6 +222,46 @@ class SplitEmitter:
             elif sums[k] is not None:
                 found[t] = sums[k]
         return found
+
+    def _in_place_reader(self, weight: tf.Tensor) -> Optional[tf.Operation]:
+        """The product of the region that reads ``weight`` as its weight,
+        when its gradient is accumulated in place (the TensorFlow side of
+        :func:`memsaving.model.splitting.in_place_weights`), else None."""
+        readers = [op for op in self.ops if any(t is weight for t in op.inputs)]
+        if len(readers) != 1 or readers[0].type not in IN_PLACE_PRODUCTS or weight.shape.rank != 2:
+            return None
+        op = readers[0]
+        if len(op.inputs) != 2 or op.inputs[1] is not weight or op.inputs[0] is weight or op.get_attr("transpose_a"):
+            return None
+        return op
+
+    def _accumulate(self, total: Optional[tf.Tensor], product: tf.Operation, grad: tf.Tensor,
+                    name: str) -> tf.Tensor:
+        """``total`` (None before the first piece) plus the gradient of the
+        weight of ``product`` (a piece's copy of a ``MatMul``) given
+        ``grad``, the gradient of its output: made a block of weight rows at
+        a time, each block added into ``total``'s buffer in place."""
+        x, weight = product.inputs[0], product.inputs[1]
+        transposed = product.get_attr("transpose_b")  # weight is (out, in): its gradient is grad^T x
+        weight_shape = weight.shape.as_list()
+        itemsize = weight.dtype.size
+        output_bytes = max(self.sizes) * int(grad.shape[-1]) * itemsize
+        blocks = gradient_blocks(weight_shape[0], weight_shape[0] * weight_shape[1] * itemsize, output_bytes)
+        step = -(-weight_shape[0] // blocks)
+        with tf.device(grad.op.device or None):
+            if total is None:
+                with tf.control_dependencies([grad.op]):  # allocated when the first term is due
+                    total = gen_array_ops.empty(weight_shape, dtype=grad.dtype, init=True, name=f"{name}_buffer")
+            for b, start in enumerate(range(0, weight_shape[0], step)):
+                size = min(step, weight_shape[0] - start)
+                with tf.control_dependencies([total.op]):  # one block's term alive at a time
+                    if transposed:
+                        left, right = tf.slice(grad, [0, start], [-1, size], name=f"{name}_grad_{b}"), x
+                    else:
+                        left, right = tf.slice(x, [0, start], [-1, size], name=f"{name}_input_{b}"), grad
+                term = tf.matmul(left, right, transpose_a=True, name=f"{name}_term_{b}")
+                total = gen_array_ops.inplace_add(total, tf.range(start, start + size), term, name=f"{name}_add_{b}")
+        return total
 
     # -- rewiring -----------------------------------------------------------
     def rewire(self) -> None:

@@ -128,6 +128,46 @@ def test_split_lowers_the_measured_peak_as_predicted():
         assert abs(measured[name] - predicted[name]) < 0.25 * mib + 0.4 * measured[name], (measured, predicted)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_head_weight_gradient_accumulates_in_place(transposed):
+    # a head whose weight (256 x 8192 floats: 8 MiB) outweighs one piece's
+    # logits (16 of 256 rows: 0.5 MiB): summed as tensors, the running sum
+    # and a piece's term would be alive together (16 MiB); accumulated in
+    # place, block by block, only the sum is whole.  ``transposed``: the
+    # weight read as (vocabulary, width), as a tied embedding is.
+    rng = np.random.default_rng(7)
+    width, vocab, rows = 256, 8192, 256
+    x = tf.constant(rng.standard_normal((rows, width)).astype(np.float32))
+    labels = tf.constant(rng.integers(0, vocab, rows).astype(np.int32))
+    shape = (vocab, width) if transposed else (width, vocab)
+    head = tf.Variable(rng.standard_normal(shape).astype(np.float32) * 0.05)
+    mib = 2 ** 20
+
+    def loss_of(x):
+        logits = tf.matmul(tf.tanh(x), head, transpose_b=transposed)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)), logits
+
+    @tf.function
+    def step(x):
+        loss, logits = loss_of(x)
+        grads = memsaving.gradients(loss, [head, x], checkpoints=[], split={logits.ref(): 16})
+        return tf.add_n([tf.reduce_sum(g) for g in grads])
+
+    @tf.function
+    def compare(x):
+        loss, logits = loss_of(x)
+        return (memsaving.gradients(loss, [head, x], checkpoints=[], split={logits.ref(): 16}),
+                tf.gradients(loss, [head, x]))
+
+    ours, plain = compare(x)
+    _compare(ours, plain)
+    graph = step.get_concrete_function(x).graph
+    assert any(op.type == "InplaceAdd" for op in graph.get_operations())
+    step(x)  # warm up
+    added = memsaving.measure_peak_increase(step, x)
+    assert added < 1.5 * 8 * mib, added / mib
+
+
 def test_batch_split_of_a_conv_net():
     keras.utils.set_random_seed(1)
     inputs = keras.Input((16, 16, 3), batch_size=4)

@@ -3,12 +3,14 @@ takes in, how a region is folded into one op, and that the folded op holds
 one piece at a time, as the simulator scores it."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
 from memsaving.errors import BudgetError
 from memsaving.model.graph import GraphModel, OpInfo, TensorInfo, validate_model
-from memsaving.model.splitting import SPLIT_OP_TYPE, grow_region, largest_splittable_ops, region_tensors, row_dims
+from memsaving.model.splitting import (SPLIT_OP_TYPE, grow_region, in_place_weights, largest_splittable_ops,
+                                       region_tensors, row_dims)
 from memsaving.sim.split_regions import fold_regions, piece_figures
 from memsaving.planners.modes import memory_proposal
 from memsaving.planners.planning import make_plan
@@ -90,6 +92,26 @@ def test_more_pieces_hold_less():
     backward = [b for _, b in figures]
     assert forward == sorted(forward, reverse=True) and backward == sorted(backward, reverse=True)
     assert forward[0] > forward[-1] and backward[0] > backward[-1]
+
+
+def test_product_weight_gradient_is_made_a_block_at_a_time():
+    # the head's weight (16 x 1024) is read by one product: its gradient is
+    # accumulated in place, a block of rows at a time, so a piece holds the
+    # running sum and one block of its term, not the whole term beside it
+    model = _lm_head()
+    region = grow_region(model, 1, ROWS)
+    pieces = 16
+    blocks = in_place_weights(model, region, ROWS, pieces)
+    weight = model.tensors[1].nbytes
+    assert list(blocks) == [1] and blocks[1] == 4  # a piece's logits are a quarter of the weight
+    _, backward = piece_figures(model, region, ROWS, pieces)
+    # read by another kind of op, the weight's gradient is summed as tensors:
+    # a piece holds the whole term too, three blocks more
+    other = GraphModel([op if op.name != "logits" else replace(op, type="Einsum") for op in model.ops],
+                       model.tensors, model.xs, model.ys, separate_result_kernels=True)
+    assert in_place_weights(other, region, ROWS, pieces) == {}
+    saved = piece_figures(other, region, ROWS, pieces)[1] - backward
+    assert saved == pytest.approx(weight - weight // 4, abs=64)  # (a scalar or two aside)
 
 
 def test_split_regions_cost_their_forward_again_in_the_gradient():
