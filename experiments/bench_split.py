@@ -34,7 +34,13 @@ next-token cross-entropy; ``unet``, :func:`memsaving.tools.models.unet` at
 needs keras_hub, the ``bench`` extra), keras_hub's GPT2 backbone of the
 same shape, its output layer the token embedding (tied weights).
 
-    python -m experiments.bench_split [--models gpt unet gpt2] [--repeat 3] [--quick]
+    python -m experiments.bench_split [--models gpt unet gpt2] [--repeat 3] [--quick] [--timeline UNITS]
+
+``--timeline UNITS`` also prints where the lowest split's memory goes: the
+backward units with the largest measured peaks.  Every row also prints
+what the step's function holds from its first run on (``held``: bytes in
+use after the first run less before it, outputs aside), which the
+prediction, made from the memory in use when planning, does not see.
 
 Each model is measured in a Python process of its own (the allocator
 keeps memory a model measured before left behind).  ``--quick`` shrinks both (vocabulary 4,000, 128 tokens; U-Net 128x128) to
@@ -44,6 +50,7 @@ check the script in a minute.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import subprocess
 import sys
@@ -54,6 +61,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from memsaving.tf.measure import bytes_in_use, default_device
 from memsaving.tools import models
 
 
@@ -110,8 +118,9 @@ CASES = {"gpt": gpt_case, "gpt2": gpt2_case, "unet": unet_case}
 
 def run(model, args, loss_fn, gradients, repeat: int):
     """Trace and run the step with ``gradients(loss, variables)``; return the
-    plan it recorded, the measured peak, the median step time and the
-    gradients themselves."""
+    plan it recorded, the measured peak, the median step time, the
+    gradients themselves and what the step's function holds from its first
+    run on."""
     plans = []
 
     @tf.function
@@ -121,7 +130,10 @@ def run(model, args, loss_fn, gradients, repeat: int):
         plans.append(plan)
         return tf.add_n([tf.reduce_sum(tf.convert_to_tensor(g)) for g in grads])
 
+    gc.collect()  # what earlier rows left behind goes first
+    before = bytes_in_use(default_device())
     step(*args)  # trace and warm up
+    held = bytes_in_use(default_device()) - before
     peak = memsaving.measure_peak(step, *args)
     times = []
     for _ in range(repeat):
@@ -133,7 +145,9 @@ def run(model, args, loss_fn, gradients, repeat: int):
     def values(*args):
         return gradients(loss_fn(*args), model.trainable_variables)[0]
 
-    return plans[-1], peak, statistics.median(times), [tf.convert_to_tensor(g).numpy() for g in values(*args)]
+    # copies: an array viewing a tensor's buffer keeps it in the allocator
+    grads = [np.array(tf.convert_to_tensor(g).numpy(), copy=True) for g in values(*args)]
+    return plans[-1], peak, statistics.median(times), grads, held
 
 
 def plain_gradients(loss, xs):
@@ -174,18 +188,18 @@ def max_relative_difference(ours, plain) -> float:
     return worst
 
 
-def measure(name: str, quick: bool, repeat: int) -> list:
+def measure(name: str, quick: bool, repeat: int, timeline_units: int = 0) -> list:
     model, args, loss_fn, fraction = CASES[name](quick)
     mib = 2 ** 20
     rows = []
-    plan, peak, seconds, reference = run(model, args, loss_fn, plain_gradients, repeat)
-    rows.append(("plain tf.gradients", plan.plain_peak, peak, seconds, 0.0, ""))
+    plan, peak, seconds, reference, held = run(model, args, loss_fn, plain_gradients, repeat)
+    rows.append(("plain tf.gradients", plan.plain_peak, peak, seconds, 0.0, held, ""))
     unsplit = []
     for label, kwargs in (("memory", {"checkpoints": "memory"}),
                           ("floor (budget, no split)", {"checkpoints": "memory",
                                                         "budget": smallest_budget(model, args, loss_fn)})):
-        plan, peak, seconds, grads = run(model, args, loss_fn, memsaving_gradients(**kwargs), repeat)
-        rows.append((label, plan.predicted_peak, peak, seconds, max_relative_difference(grads, reference), ""))
+        plan, peak, seconds, grads, held = run(model, args, loss_fn, memsaving_gradients(**kwargs), repeat)
+        rows.append((label, plan.predicted_peak, peak, seconds, max_relative_difference(grads, reference), held, ""))
         unsplit.append(peak)
     best = min(unsplit)
     # a fraction of the best unsplit plan's memory above what the step
@@ -194,26 +208,47 @@ def measure(name: str, quick: bool, repeat: int) -> list:
     budget = int(resident + fraction * (best - resident))
     for label, kwargs in (("split (lowest)", {}), (f"split, budget {budget / mib:.0f} MiB", {"budget": budget})):
         try:
-            plan, peak, seconds, grads = run(model, args, loss_fn,
+            plan, peak, seconds, grads, held = run(model, args, loss_fn,
                                              memsaving_gradients(checkpoints="memory", split="auto", **kwargs), repeat)
         except memsaving.BudgetError as error:
             print(f"{label}: BudgetError, smallest budget found {error.smallest_budget / mib:.1f} MiB")
             continue
         regions = ", ".join(f"{r.name} ({len(r.ops)} ops, {r.chunks} pieces of {r.rows} rows)" for r in plan.splits)
-        rows.append((label, plan.predicted_peak, peak, seconds, max_relative_difference(grads, reference), regions))
+        rows.append((label, plan.predicted_peak, peak, seconds, max_relative_difference(grads, reference), held,
+                     regions))
     print(f"\n{name}: {model.count_params():,} parameters; peaks include the {resident / mib:.1f} MiB the step starts "
           "with (weights, inputs); 'above' ratios leave it out")
     print(f"{'strategy':30} {'predicted MiB':>13} {'measured MiB':>13} {'best unsplit / it':>18} {'above':>7} "
-          f"{'step s':>7} {'grad rel diff':>13}")
-    for label, predicted, measured, step_seconds, diff, note in rows:
+          f"{'step s':>7} {'grad rel diff':>13} {'held MiB':>8}")
+    for label, predicted, measured, step_seconds, diff, held, note in rows:
         above = (best - resident) / max(measured - resident, 1)
         print(f"{label:30} {predicted / mib:>13.1f} {measured / mib:>13.1f} {best / measured:>17.2f}x {above:>6.2f}x "
-              f"{step_seconds:>7.2f} {diff:>13.1e}")
+              f"{step_seconds:>7.2f} {diff:>13.1e} {held / mib:>8.1f}")
     for label, *_, note in rows:
         if note:
             print(f"  {label}: {note}")
+    if timeline_units:
+        print_timeline(model, args, loss_fn, timeline_units)
     keras.backend.clear_session()
     return rows
+
+
+def print_timeline(model, args, loss_fn, units: int) -> None:
+    """Where the lowest split's memory goes: the ``units`` backward units
+    (or the forward pass) of largest measured peak, above the memory in use
+    before the step (:func:`memsaving.tools.memory_timeline.timeline`)."""
+    from memsaving.tools.memory_timeline import timeline  # pylint: disable=import-outside-toplevel
+
+    mib = 2 ** 20
+    line = timeline(loss_fn, model.trainable_variables, args, checkpoints="memory", split="auto")
+    print(f"\nsplit (lowest): the {units} units of largest measured peak, above the {line.baseline / mib:.1f} MiB "
+          f"in use before the step (the plan predicts a peak {line.predicted_peak / mib:.1f} MiB above "
+          f"{line.plan.resident_bytes / mib:.1f}; the simulator's own timeline leaves work buffers out, so no "
+          "prediction per unit is printed)")
+    ranked = sorted(range(len(line.measured)), key=lambda k: -line.measured[k][2])[:units]
+    for k in sorted(ranked):
+        label, _, peak = line.measured[k]
+        print(f"  {label[:70]:70} {peak / mib:>8.1f} MiB")
 
 
 def main(argv=None) -> None:
@@ -221,13 +256,17 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", default=["gpt", "unet"], choices=list(CASES))
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--timeline", type=int, default=0, metavar="UNITS",
+                        help="also print the UNITS backward units of the lowest split with the largest measured "
+                             "peaks")
     args = parser.parse_args(argv)
     if len(args.models) == 1:
-        measure(args.models[0], args.quick, args.repeat)
+        measure(args.models[0], args.quick, args.repeat, args.timeline)
         return
     for name in args.models:  # each in a process of its own: the allocator keeps what a model left
         subprocess.run([sys.executable, "-m", "experiments.bench_split", "--models", name, "--repeat",
-                        str(args.repeat)] + (["--quick"] if args.quick else []), check=True)
+                        str(args.repeat), "--timeline", str(args.timeline)] + (["--quick"] if args.quick else []),
+                       check=True)
 
 
 if __name__ == "__main__":
