@@ -72,6 +72,10 @@ class SplitRegion:
     forward_bytes, backward_bytes
         what one piece holds at most while it runs forward, and while it
         is recomputed and differentiated (the folded op's work buffers).
+    in_place
+        ``(whole input, blocks)`` for each weight whose gradient is
+        accumulated in place (:func:`in_place_weights`): the emitter makes
+        it in that many blocks, as the piece model was scored.
     """
 
     name: str
@@ -83,6 +87,7 @@ class SplitRegion:
     outputs: Tuple[str, ...]
     forward_bytes: int = 0
     backward_bytes: int = 0
+    in_place: Tuple[Tuple[str, int], ...] = ()
 
 
 def row_dims(shape: Optional[Sequence[int]], rows: int) -> Optional[int]:
@@ -232,20 +237,24 @@ IN_PLACE_PRODUCTS = frozenset({"MatMul"})
 in place, block by block (:func:`in_place_weights`)."""
 
 
-def gradient_blocks(weight_rows: int, weight_bytes: int, piece_output_bytes: int) -> int:
+def gradient_blocks(weight_rows: int, weight_bytes: int, piece_largest_bytes: int) -> int:
     """How many blocks of rows a weight's gradient, accumulated in place, is
     made in for each piece: enough that a block is no larger than the
-    piece of the product it comes from (whose gradient is alive beside it),
-    and at most one per row.
+    piece's largest tensor (a block then adds no more than what the piece
+    holds anyway), and at most one per row.  Blocks are kept as few as
+    that allows: each is a few kernels per piece, and every kernel a
+    function runs holds a little memory of its own for as long as the
+    function lives.
 
     Examples
     --------
-    A 256 x 32,000 head (31.25 MiB) after a piece of 32 tokens (4 MiB of logits):
+    A 256 x 32,000 head (31.25 MiB) after a piece of 32 tokens (4 MiB of
+    logits), and a 1024 x 256 product in the same piece:
 
-    >>> gradient_blocks(256, 256 * 32000 * 4, 32 * 32000 * 4)
-    8
+    >>> gradient_blocks(256, 256 * 32000 * 4, 32 * 32000 * 4), gradient_blocks(1024, 1024 * 256 * 4, 32 * 32000 * 4)
+    (8, 1)
     """
-    return max(1, min(weight_rows, -(-weight_bytes // max(piece_output_bytes, 1))))
+    return max(1, min(weight_rows, -(-weight_bytes // max(piece_largest_bytes, 1))))
 
 
 def in_place_weights(model: GraphModel, ops: Sequence[int], rows: int, chunks: int) -> Dict[int, int]:
@@ -263,6 +272,8 @@ def in_place_weights(model: GraphModel, ops: Sequence[int], rows: int, chunks: i
     found: Dict[int, int] = {}
     _, whole_in, _ = region_tensors(model, ops, rows)
     sinks = gradient_sinks(model)
+    largest = max((piece_bytes(model, t, rows, chunks) for i in ops for t in model.ops[i].outputs
+                   if row_dims(model.tensors[t].shape, rows) is not None), default=0)
     for t in whole_in:
         info = model.tensors[t]
         readers = [i for i in model.consumers(t) if i in members]
@@ -271,8 +282,7 @@ def in_place_weights(model: GraphModel, ops: Sequence[int], rows: int, chunks: i
         op = model.ops[readers[0]]
         if op.type not in IN_PLACE_PRODUCTS or op.inputs[1:] != (t,) or op.inputs[0] == t:
             continue
-        output = piece_bytes(model, op.outputs[0], rows, chunks)
-        found[t] = gradient_blocks(info.shape[0], info.gradient_bytes, output)
+        found[t] = gradient_blocks(info.shape[0], info.gradient_bytes, largest)
     return found
 
 

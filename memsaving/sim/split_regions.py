@@ -18,8 +18,8 @@ from typing import Dict, Iterable, List, Sequence, Set, Tuple
 
 from memsaving.model.buffers import memory_replay
 from memsaving.model.graph import GraphModel, OpInfo, gradient_sinks, receives_gradient
-from memsaving.model.splitting import (METADATA_OPS, SPLIT_OP_TYPE, SplitRegion, piece_bytes, piece_model,
-                                       region_tensors)
+from memsaving.model.splitting import (METADATA_OPS, SPLIT_OP_TYPE, SplitRegion, in_place_weights, piece_bytes,
+                                       piece_model, region_tensors)
 from memsaving.sim.actions import forward_actions
 from memsaving.sim.simulate import simulate
 
@@ -141,8 +141,10 @@ def _folded_op(model: GraphModel, ops: Tuple[int, ...], rows: int, chunks: int) 
                       + 3 * launches if grad_timed else None),
         chunks=chunks)
     names = lambda ids: tuple(model.tensors[t].name for t in ids)  # noqa: E731
+    in_place = tuple((model.tensors[t].name, blocks)
+                     for t, blocks in in_place_weights(model, ops, rows, chunks).items())
     region = SplitRegion(name, tuple(op.name for op in members), rows, chunks, names(row_in), names(whole_in),
-                         names(outputs), forward_bytes, backward_bytes)
+                         names(outputs), forward_bytes, backward_bytes, in_place)
     return op, region
 
 

@@ -18,7 +18,8 @@ in ``k`` pieces of rows.  For each region :class:`SplitEmitter` makes:
   gathered: the gradients of whole inputs (weights) summed piece after
   piece, those of row inputs concatenated.  A weight that one product of
   the region reads (:func:`memsaving.model.splitting.in_place_weights`)
-  is not differentiated by ``tf.gradients``: its gradient is made from the
+  (named, with its number of blocks, in the region's ``in_place``) is not
+  differentiated by ``tf.gradients``: its gradient is made from the
   piece's input and the gradient of the product, a block of rows at a
   time, each block added in place into one buffer (``InplaceAdd`` on a
   buffer of its own from ``Empty``, which nothing else reads), so that
@@ -43,7 +44,7 @@ import tensorflow as tf
 from tensorflow.python.ops import gen_array_ops
 from tensorflow.python.util import object_identity
 
-from memsaving.model.splitting import IN_PLACE_PRODUCTS, METADATA_OPS, SplitRegion, gradient_blocks, row_dims
+from memsaving.model.splitting import METADATA_OPS, SplitRegion, row_dims
 from memsaving.tf.aggregation import producing_ops
 from memsaving.tf.forward import is_trainable
 from memsaving.tf.rows import metadata_value, piece_op, piece_shape, row_splits, static_shape
@@ -167,8 +168,9 @@ class SplitEmitter:
         incoming = [(t, self._rows_of(g, f"{prefix}grad_{i}_")) for i, (t, g) in enumerate(out_grads.items())
                     if g is not None]
         whole = [read(t) for t in wanted_whole]
-        in_place = {k: reader for k, reader in ((k, self._in_place_reader(t)) for k, t in enumerate(wanted_whole))
-                    if reader is not None}
+        blocks = dict(self.region.in_place)
+        in_place = {k: product for k, product in ((k, self._in_place_product(t)) for k, t in enumerate(wanted_whole)
+                                                  if t.name in blocks) if product is not None}
         sums: List[Optional[tf.Tensor]] = [None] * len(wanted_whole)
         slices: List[List] = [[] for _ in wanted_whole]
         row_grads: List[List] = [[] for _ in wanted_rows]
@@ -192,7 +194,7 @@ class SplitEmitter:
                 results_whole[k] = None
                 if grad is not None:
                     sums[k] = self._accumulate(sums[k], product.op, tf.convert_to_tensor(grad),
-                                               f"{prefix}in_place_{k}_{c}")
+                                               blocks[wanted_whole[k].name], f"{prefix}in_place_{k}_{c}")
                     finished.append(sums[k])
             for k, g in enumerate(results_rows):
                 row_grads[k].append(g)
@@ -223,30 +225,27 @@ class SplitEmitter:
                 found[t] = sums[k]
         return found
 
-    def _in_place_reader(self, weight: tf.Tensor) -> Optional[tf.Operation]:
-        """The product of the region that reads ``weight`` as its weight,
-        when its gradient is accumulated in place (the TensorFlow side of
-        :func:`memsaving.model.splitting.in_place_weights`), else None."""
+    def _in_place_product(self, weight: tf.Tensor) -> Optional[tf.Operation]:
+        """The product of the region whose weight ``weight`` is, which the
+        model side chose to accumulate in place
+        (:func:`memsaving.model.splitting.in_place_weights`); None when it
+        reads its first input transposed (the model does not see that
+        attribute), and the weight's gradient is then summed as tensors."""
         readers = [op for op in self.ops if any(t is weight for t in op.inputs)]
-        if len(readers) != 1 or readers[0].type not in IN_PLACE_PRODUCTS or weight.shape.rank != 2:
+        if len(readers) != 1 or readers[0].get_attr("transpose_a"):
             return None
-        op = readers[0]
-        if len(op.inputs) != 2 or op.inputs[1] is not weight or op.inputs[0] is weight or op.get_attr("transpose_a"):
-            return None
-        return op
+        return readers[0]
 
-    def _accumulate(self, total: Optional[tf.Tensor], product: tf.Operation, grad: tf.Tensor,
+    @staticmethod
+    def _accumulate(total: Optional[tf.Tensor], product: tf.Operation, grad: tf.Tensor, blocks: int,
                     name: str) -> tf.Tensor:
         """``total`` (None before the first piece) plus the gradient of the
         weight of ``product`` (a piece's copy of a ``MatMul``) given
-        ``grad``, the gradient of its output: made a block of weight rows at
-        a time, each block added into ``total``'s buffer in place."""
+        ``grad``, the gradient of its output: made ``blocks`` blocks of
+        weight rows at a time, each added into ``total``'s buffer in place."""
         x, weight = product.inputs[0], product.inputs[1]
         transposed = product.get_attr("transpose_b")  # weight is (out, in): its gradient is grad^T x
         weight_shape = weight.shape.as_list()
-        itemsize = weight.dtype.size
-        output_bytes = max(self.sizes) * int(grad.shape[-1]) * itemsize
-        blocks = gradient_blocks(weight_shape[0], weight_shape[0] * weight_shape[1] * itemsize, output_bytes)
         step = -(-weight_shape[0] // blocks)
         with tf.device(grad.op.device or None):
             if total is None:
