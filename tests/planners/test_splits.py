@@ -114,6 +114,24 @@ def test_product_weight_gradient_is_made_a_block_at_a_time():
     assert saved == pytest.approx(weight - weight // 4, abs=64)  # (a scalar or two aside)
 
 
+def test_in_place_blocks_are_as_few_as_the_pieces_largest_tensor_allows():
+    # a second product, whose weight (16 x 16) outweighs its own output's
+    # piece (4 rows x 16) but not the piece's logits (4 rows x 1024): its
+    # gradient is made in one block (every block is kernels the step's
+    # function keeps, with memory of their own), the head's in four; the
+    # folded region records both, for the emitter to make what was scored
+    model = _lm_head()
+    tensors = dict(model.tensors)
+    tensors[7] = TensorInfo("t7", 4 * WIDTH * WIDTH, -1, shape=(WIDTH, WIDTH))
+    ops = [replace(model.ops[0], type="MatMul", inputs=(0, 7), grad_reads=(0, 7))] + list(model.ops[1:])
+    model = GraphModel(ops, tensors, xs=[0, 1, 7], ys=[5], separate_result_kernels=True)
+    region = grow_region(model, 1, ROWS)
+    assert 0 in region
+    assert in_place_weights(model, region, ROWS, 16) == {1: 4, 7: 1}
+    folded = fold_regions(model, [(region, ROWS, 16)])
+    assert dict(folded.splits[0].in_place) == {"t1": 4, "t7": 1}
+
+
 def test_split_regions_cost_their_forward_again_in_the_gradient():
     model = _lm_head()
     folded = fold_regions(model, [(grow_region(model, 1, ROWS), ROWS, 4)])
