@@ -169,8 +169,7 @@ class SplitEmitter:
                     if g is not None]
         whole = [read(t) for t in wanted_whole]
         blocks = dict(self.region.in_place)
-        in_place = {k: product for k, product in ((k, self._in_place_product(t)) for k, t in enumerate(wanted_whole)
-                                                  if t.name in blocks) if product is not None}
+        in_place = {k: self._in_place_product(t) for k, t in enumerate(wanted_whole) if t.name in blocks}
         sums: List[Optional[tf.Tensor]] = [None] * len(wanted_whole)
         slices: List[List] = [[] for _ in wanted_whole]
         row_grads: List[List] = [[] for _ in wanted_rows]
@@ -225,16 +224,14 @@ class SplitEmitter:
                 found[t] = sums[k]
         return found
 
-    def _in_place_product(self, weight: tf.Tensor) -> Optional[tf.Operation]:
+    def _in_place_product(self, weight: tf.Tensor) -> tf.Operation:
         """The product of the region whose weight ``weight`` is, which the
         model side chose to accumulate in place
-        (:func:`memsaving.model.splitting.in_place_weights`); None when it
-        reads its first input transposed (the model does not see that
-        attribute), and the weight's gradient is then summed as tensors."""
-        readers = [op for op in self.ops if any(t is weight for t in op.inputs)]
-        if len(readers) != 1 or readers[0].get_attr("transpose_a"):
-            return None
-        return readers[0]
+        (:func:`memsaving.model.splitting.in_place_weights`: its one reader
+        in the region).  Its first input is never transposed: such a
+        ``MatMul`` has no rows to cut (:func:`memsaving.tf.rows.row_splits`),
+        so no region takes it in."""
+        return next(op for op in self.ops if any(t is weight for t in op.inputs))
 
     @staticmethod
     def _accumulate(total: Optional[tf.Tensor], product: tf.Operation, grad: tf.Tensor, blocks: int,
