@@ -284,8 +284,13 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
         with ops_made_in(graph) as made:
             zeros = options.gradient.unconnected_gradients == tf.UnconnectedGradients.ZERO
             result = builder.build(ys, grad_ys, xs, zeros)
-            for emitter in emitters:  # the regions' forward pieces, read instead of the whole ops
+            # the regions' forward pieces, read instead of the whole ops: all are
+            # made before any region is rewired, so a region that reads another
+            # region's result finds it under its original tensor, and the rewire
+            # of the region that makes it then points that read at its pieces
+            for emitter in emitters:
                 emitter.forward()
+            for emitter in emitters:
                 emitter.rewire()
         pin_loop_iterations(made)
         if plan_.swapped:

@@ -222,6 +222,41 @@ def test_batch_split_of_a_conv_net():
     assert plans[0].splits[0].rows == 4  # the batch: the only rows a convolution can be cut into
 
 
+def test_a_region_that_reads_another_regions_result():
+    """A convolution cut along the batch, then a product over its pixels cut
+    along them: the second region reads the first one's result directly (a
+    convolution has no rows but the batch, the product none but its
+    pixels), put together from the first one's pieces."""
+    keras.utils.set_random_seed(2)
+    conv = keras.layers.Conv2D(8, 3, padding="same", activation="tanh")
+    conv.build((4, 8, 8, 3))
+    weight = tf.Variable(tf.random.stateless_normal((8, 5), seed=(2, 3)))
+    x = tf.random.stateless_normal((4, 8, 8, 3), seed=(2, 4))
+    xs = conv.trainable_variables + [weight]
+    plans = []
+
+    @tf.function
+    def step(x):
+        features = conv(x)
+        pixels = tf.reshape(features, [4 * 8 * 8, 8])
+        product = tf.matmul(pixels, weight)
+        # features read outside the product too: its region stops at them
+        loss = tf.reduce_sum(tf.sin(product)) + tf.reduce_sum(features)
+        convolution = features.op.inputs[0].op.inputs[0].op  # tanh(bias_add(conv))
+        split = [(convolution, 2), (product.op, 4)]
+        ours, plan = memsaving.gradients_and_plan(loss, xs, checkpoints="memory", split=split)
+        plans.append(plan)
+        # nothing reads the whole convolution's result: it never runs
+        assert [op.type for op in features.consumers()] == []
+        return ours, tf.gradients(loss, xs)
+
+    ours, plain = step(x)
+    _compare(ours, plain)
+    first, second = plans[0].splits
+    assert (first.rows, second.rows) == (4, 256)
+    assert set(first.outputs) & set(second.row_inputs)  # the regions touch
+
+
 def test_auto_split_under_a_budget_only_when_needed():
     model, x, labels = _lm_head(batch=2, seq=64, width=16, vocab=2048)
     found = {}
