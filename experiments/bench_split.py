@@ -40,7 +40,9 @@ same shape, its output layer the token embedding (tied weights).
 backward units with the largest measured peaks.  Every row also prints
 what the step's function holds from its first run on (``held``: bytes in
 use after the first run less before it, outputs aside), which the
-prediction, made from the memory in use when planning, does not see.
+prediction, made from the memory in use when planning, does not see, and
+how much of it was allocated while the step was traced, before it ran
+(``traced``).
 
 Each model is measured in a Python process of its own (the allocator
 keeps memory a model measured before left behind).  ``--quick`` shrinks both (vocabulary 4,000, 128 tokens; U-Net 128x128) to
@@ -120,7 +122,7 @@ def run(model, args, loss_fn, gradients, repeat: int):
     """Trace and run the step with ``gradients(loss, variables)``; return the
     plan it recorded, the measured peak, the median step time, the
     gradients themselves and what the step's function holds from its first
-    run on."""
+    run on, with the part of it allocated while the step was traced."""
     plans = []
 
     @tf.function
@@ -132,7 +134,9 @@ def run(model, args, loss_fn, gradients, repeat: int):
 
     gc.collect()  # what earlier rows left behind goes first
     before = bytes_in_use(default_device())
-    step(*args)  # trace and warm up
+    step.get_concrete_function(*args)
+    traced = bytes_in_use(default_device()) - before
+    step(*args)  # warm up
     held = bytes_in_use(default_device()) - before
     peak = memsaving.measure_peak(step, *args)
     times = []
@@ -147,7 +151,7 @@ def run(model, args, loss_fn, gradients, repeat: int):
 
     # copies: an array viewing a tensor's buffer keeps it in the allocator
     grads = [np.array(tf.convert_to_tensor(g).numpy(), copy=True) for g in values(*args)]
-    return plans[-1], peak, statistics.median(times), grads, held
+    return plans[-1], peak, statistics.median(times), grads, (held, traced)
 
 
 def plain_gradients(loss, xs):
@@ -193,13 +197,14 @@ def measure(name: str, quick: bool, repeat: int, timeline_units: int = 0) -> lis
     mib = 2 ** 20
     rows = []
     plan, peak, seconds, reference, held = run(model, args, loss_fn, plain_gradients, repeat)
-    rows.append(("plain tf.gradients", plan.plain_peak, peak, seconds, 0.0, held, ""))
+    rows.append(("plain tf.gradients", plan.plain_peak, peak, seconds, 0.0, *held, ""))
     unsplit = []
     for label, kwargs in (("memory", {"checkpoints": "memory"}),
                           ("floor (budget, no split)", {"checkpoints": "memory",
                                                         "budget": smallest_budget(model, args, loss_fn)})):
         plan, peak, seconds, grads, held = run(model, args, loss_fn, memsaving_gradients(**kwargs), repeat)
-        rows.append((label, plan.predicted_peak, peak, seconds, max_relative_difference(grads, reference), held, ""))
+        rows.append((label, plan.predicted_peak, peak, seconds, max_relative_difference(grads, reference), *held,
+                     ""))
         unsplit.append(peak)
     best = min(unsplit)
     # a fraction of the best unsplit plan's memory above what the step
@@ -214,16 +219,16 @@ def measure(name: str, quick: bool, repeat: int, timeline_units: int = 0) -> lis
             print(f"{label}: BudgetError, smallest budget found {error.smallest_budget / mib:.1f} MiB")
             continue
         regions = ", ".join(f"{r.name} ({len(r.ops)} ops, {r.chunks} pieces of {r.rows} rows)" for r in plan.splits)
-        rows.append((label, plan.predicted_peak, peak, seconds, max_relative_difference(grads, reference), held,
+        rows.append((label, plan.predicted_peak, peak, seconds, max_relative_difference(grads, reference), *held,
                      regions))
     print(f"\n{name}: {model.count_params():,} parameters; peaks include the {resident / mib:.1f} MiB the step starts "
           "with (weights, inputs); 'above' ratios leave it out")
     print(f"{'strategy':30} {'predicted MiB':>13} {'measured MiB':>13} {'best unsplit / it':>18} {'above':>7} "
-          f"{'step s':>7} {'grad rel diff':>13} {'held MiB':>8}")
-    for label, predicted, measured, step_seconds, diff, held, note in rows:
+          f"{'step s':>7} {'grad rel diff':>13} {'held MiB':>8} {'traced':>6}")
+    for label, predicted, measured, step_seconds, diff, held, traced, note in rows:
         above = (best - resident) / max(measured - resident, 1)
         print(f"{label:30} {predicted / mib:>13.1f} {measured / mib:>13.1f} {best / measured:>17.2f}x {above:>6.2f}x "
-              f"{step_seconds:>7.2f} {diff:>13.1e} {held / mib:>8.1f}")
+              f"{step_seconds:>7.2f} {diff:>13.1e} {held / mib:>8.1f} {traced / mib:>6.1f}")
     for label, *_, note in rows:
         if note:
             print(f"  {label}: {note}")
