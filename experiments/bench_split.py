@@ -196,14 +196,14 @@ def measure(name: str, quick: bool, repeat: int, timeline_units: int = 0) -> lis
     model, args, loss_fn, fraction = CASES[name](quick)
     mib = 2 ** 20
     rows = []
-    plan, peak, seconds, reference, held = run(model, args, loss_fn, plain_gradients, repeat)
-    rows.append(("plain tf.gradients", plan.plain_peak, peak, seconds, 0.0, *held, ""))
+    plan, peak, seconds, reference, held_traced = run(model, args, loss_fn, plain_gradients, repeat)
+    rows.append(("plain tf.gradients", plan.plain_peak, peak, seconds, 0.0, *held_traced, ""))
     unsplit = []
     for label, kwargs in (("memory", {"checkpoints": "memory"}),
                           ("floor (budget, no split)", {"checkpoints": "memory",
                                                         "budget": smallest_budget(model, args, loss_fn)})):
-        plan, peak, seconds, grads, held = run(model, args, loss_fn, memsaving_gradients(**kwargs), repeat)
-        rows.append((label, plan.predicted_peak, peak, seconds, max_relative_difference(grads, reference), *held,
+        plan, peak, seconds, grads, held_traced = run(model, args, loss_fn, memsaving_gradients(**kwargs), repeat)
+        rows.append((label, plan.predicted_peak, peak, seconds, max_relative_difference(grads, reference), *held_traced,
                      ""))
         unsplit.append(peak)
     best = min(unsplit)
@@ -213,13 +213,13 @@ def measure(name: str, quick: bool, repeat: int, timeline_units: int = 0) -> lis
     budget = int(resident + fraction * (best - resident))
     for label, kwargs in (("split (lowest)", {}), (f"split, budget {budget / mib:.0f} MiB", {"budget": budget})):
         try:
-            plan, peak, seconds, grads, held = run(model, args, loss_fn,
-                                             memsaving_gradients(checkpoints="memory", split="auto", **kwargs), repeat)
+            gradients = memsaving_gradients(checkpoints="memory", split="auto", **kwargs)
+            plan, peak, seconds, grads, held_traced = run(model, args, loss_fn, gradients, repeat)
         except memsaving.BudgetError as error:
             print(f"{label}: BudgetError, smallest budget found {error.smallest_budget / mib:.1f} MiB")
             continue
         regions = ", ".join(f"{r.name} ({len(r.ops)} ops, {r.chunks} pieces of {r.rows} rows)" for r in plan.splits)
-        rows.append((label, plan.predicted_peak, peak, seconds, max_relative_difference(grads, reference), *held,
+        rows.append((label, plan.predicted_peak, peak, seconds, max_relative_difference(grads, reference), *held_traced,
                      regions))
     print(f"\n{name}: {model.count_params():,} parameters; peaks include the {resident / mib:.1f} MiB the step starts "
           "with (weights, inputs); 'above' ratios leave it out")
