@@ -275,7 +275,7 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
         emitters = [SplitEmitter(region, graph, plan_.batch_size or 1) for region in plan_.splits]
         by_name.update({emitter.name: emitter for emitter in emitters})
         kept = {by_name[n] for n in plan_.kept_ops if n in by_name}
-        kept |= {t.op for emitter in emitters for t in emitter.outputs}
+        kept |= {t.op for emitter in emitters if emitter.name in plan_.kept_ops for t in emitter.outputs}
         kept |= {by_name[n] for names in plan_.inner_checkpoints.values() for n in names}
         steps = [(kind, by_name[anchor] if anchor else None, [by_name[n] for n in names])
                  for kind, anchor, names in plan_.steps]
@@ -544,11 +544,17 @@ def _plan_for_model(fwd, model, checkpoints, budget, options: Options, or_lowest
     if options.swap.on:
         raise ValueError("split= cannot be combined with swap= yet: choose one of them")
 
-    def plan_model(candidate):
-        return _unsplit_plan(fwd, candidate, checkpoints, budget, options, or_lowest)[1]
+    def plan_model(candidate, lowest: bool = or_lowest):
+        return _unsplit_plan(fwd, candidate, checkpoints, budget, options, lowest)[1]
 
     if split == "auto":
-        return fwd, auto_split(model, plan_model, budget is not None)
+        if not or_lowest or budget is None:
+            return fwd, auto_split(model, plan_model, budget is not None)
+        # a plan that does not fit must not pass for one that does: the lowest comes only when none fits
+        try:
+            return fwd, auto_split(model, lambda candidate: plan_model(candidate, lowest=False), True)
+        except BudgetError:
+            return fwd, auto_split(model, plan_model, has_budget=False)
     seeds = _split_seeds(split, fwd, model, options.gradient.stop_gradients)
     return fwd, plan_model(explicit_split(model, seeds))
 
@@ -607,12 +613,29 @@ def _unsplit_plan(fwd, model, checkpoints, budget, options: Options, or_lowest: 
             "budget= found no candidate checkpoint (the graph between xs and ys has no cut); "
             "pass checkpoints=[tensors] as the candidates to choose from."
         )
-    chosen = plan_for_budget(model, pool, budget_bytes, keep_x_gradients=keep_x, cut_bytes=cut_bytes,
-                             or_lowest=or_lowest)
+    try:
+        chosen = plan_for_budget(model, pool, budget_bytes, keep_x_gradients=keep_x, cut_bytes=cut_bytes,
+                                 or_lowest=or_lowest)
+    except BudgetError:
+        # the mode's own plan (checkpoints="memory"'s lowest-peak search) is one more candidate
+        proposed = _mode_plan(checkpoints, fwd, model, budget_bytes, keep_x)
+        if proposed is None or proposed.predicted_peak > budget_bytes:
+            raise
+        return fwd, proposed
     swapped = _swapped(swap, fwd, model, chosen.checkpoint_ops, chosen.inner)
     return fwd, make_plan(model, chosen.checkpoint_ops, "budget", budget=budget_bytes,
                           keep_x_gradients=keep_x, inner=chosen.inner, swapped=swapped,
                           cost=options.cost_model() if swapped else None)
+
+
+def _mode_plan(checkpoints, fwd, model, budget_bytes: int, keep_x: bool) -> Optional[Plan]:
+    """The plan ``checkpoints="memory"`` makes without a budget (its own
+    lowest-peak search, which the budget searches need not reach), made
+    for ``budget_bytes``; None for other checkpoints."""
+    if checkpoints != "memory":
+        return None
+    return make_plan(model, _checkpoint_ops(checkpoints, fwd, model), "budget", budget=budget_bytes,
+                     keep_x_gradients=keep_x)
 
 
 @_do_not_convert

@@ -62,8 +62,16 @@ def articulation(model: GraphModel, activations: Optional[Activations] = None) -
 
     ``activations`` is ``activation_digraph(model)`` when the caller has it.
     """
+    return [i for i in bottleneck_ops(model, activations)
+            if model.ops[i].copyable and _has_trainable_output(model, i)]
+
+
+def bottleneck_ops(model: GraphModel, activations: Optional[Activations] = None) -> List[int]:
+    """Forward ops (parameters aside) that every input-to-output path
+    crosses, in order, whatever they are; :func:`articulation` keeps those
+    a checkpoint can be."""
     graph, order = activations or activation_digraph(model)
-    return [i for i in bottlenecks(graph, order) if model.ops[i].copyable and _has_trainable_output(model, i)]
+    return bottlenecks(graph, order)
 
 
 def speed(model: GraphModel) -> List[int]:

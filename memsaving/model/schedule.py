@@ -12,6 +12,7 @@ from enum import Enum
 from typing import AbstractSet, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from memsaving.model.graph import GraphModel
+from memsaving.model.splitting import SPLIT_OP_TYPE
 
 
 class UnitKind(str, Enum):
@@ -66,8 +67,30 @@ def kept_set(model: GraphModel, checkpoint_ops: Iterable[int]) -> Set[int]:
     a unit of its own, or the gradient would stop at ``x`` instead of flowing
     on to what lies before it, as it does in ``tf.gradients``.
     """
-    return {i for i in checkpoint_ops if model.ops[i].forward} | model.derived(
+    kept = {i for i in checkpoint_ops if model.ops[i].forward} | model.derived(
         "always kept", lambda: _always_kept(model))
+    return _regions_before_the_output_kept(model, kept)
+
+
+def _regions_before_the_output_kept(model: GraphModel, kept: Set[int]) -> Set[int]:
+    """``kept`` and every split region the output unit would take in.
+
+    The output unit differentiates the forward ops themselves, in place;
+    a split region's forward ops never run whole (its pieces do), so it
+    must end the output unit: it is kept, and differentiated piece by piece
+    in a unit of its own."""
+    regions = model.derived("split region ops", lambda: frozenset(
+        i for i, op in enumerate(model.ops) if op.type == SPLIT_OP_TYPE))
+    if not regions:
+        return kept
+    feeders = model.derived("forward feeders", lambda: _forward_feeders(model))
+    while True:
+        ys = [model.tensors[y].producer for y in model.ys
+              if model.tensors[y].producer >= 0 and model.tensors[y].producer not in kept]
+        inside = regions.intersection(_closure(feeders, ys, kept)) if ys else ()
+        if not inside:
+            return kept
+        kept = kept | set(inside)
 
 
 def _always_kept(model: GraphModel) -> FrozenSet[int]:

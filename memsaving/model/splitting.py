@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Dict, List, Optional, Sequence, Set, Tuple
 
 from memsaving.model.graph import GraphModel, OpInfo, TensorInfo, gradient_sinks, receives_gradient
 
@@ -128,9 +128,16 @@ def _splittable(model: GraphModel, i: int, rows: int) -> bool:
             and all(row_dims(model.tensors[t].shape, rows) is not None and t not in model.xs for t in op.outputs))
 
 
-def grow_region(model: GraphModel, seed: int, rows: int, upstream: bool = True) -> Optional[Tuple[int, ...]]:
+def grow_region(model: GraphModel, seed: int, rows: int, upstream: bool = True,
+                fences: AbstractSet[int] = frozenset()) -> Optional[Tuple[int, ...]]:
     """The ops of the region of ``rows`` rows around op ``seed``, in order,
     or None when ``seed`` cannot be split so.
+
+    The region does not grow past a tensor of ``fences``: it may make one
+    (it is then one of its outputs) or read one (one of its inputs), not
+    both; fences keep a region from running on into the next block of a
+    network (:func:`memsaving.planners.splits.region_choices` fences it
+    at the small tensors every path crosses).
 
     From the seed the region takes in every consumer that reads one of its
     tensors as a row input and can be cut into the same rows (towards the
@@ -151,6 +158,8 @@ def grow_region(model: GraphModel, seed: int, rows: int, upstream: bool = True) 
         for i in sorted(region):
             op = model.ops[i]
             for t in op.outputs:  # downstream
+                if t in fences:
+                    continue
                 for c in model.consumers(t):
                     if c in region or not _splittable(model, c, rows):
                         continue
@@ -162,6 +171,8 @@ def grow_region(model: GraphModel, seed: int, rows: int, upstream: bool = True) 
             if not upstream:
                 continue
             for k in row_positions(op, rows):  # upstream
+                if op.inputs[k] in fences:
+                    continue
                 p = model.tensors[op.inputs[k]].producer
                 if p < 0 or p in region or not _splittable(model, p, rows) or ys.intersection(model.ops[p].outputs):
                     continue
@@ -175,7 +186,7 @@ def grow_region(model: GraphModel, seed: int, rows: int, upstream: bool = True) 
     if convex is None:
         # the seed reads, through an op outside, a result of an op taken in
         # upstream: the region of the seed and what follows it cannot
-        return grow_region(model, seed, rows, upstream=False) if upstream else None
+        return grow_region(model, seed, rows, upstream=False, fences=fences) if upstream else None
     return tuple(sorted(convex))
 
 

@@ -8,14 +8,21 @@ the region's forward runs again in its gradient), so it is used only where
 it pays:
 
 * ``split={tensor_or_op: k}`` splits the regions grown around the ops
-  named, in ``k`` pieces, and the plan is made on the folded model;
+  named (each bounded by its block, :func:`region_choices`), in ``k``
+  pieces, and the plan is made on the folded model;
 * ``split="auto"`` with a budget first plans without splitting; when no
   plan fits, it splits the regions around the ops that hold the most by
   themselves (:func:`memsaving.model.splitting.largest_splittable_ops`),
-  in 2, 4, 8... pieces, until a plan fits, and takes the plan that fits
-  with the fewest pieces; without a budget, it takes the split that gives
-  the lowest predicted peak, doubling the pieces while that lowers the
-  peak by more than :data:`WORTH_A_DOUBLING`.
+  grown bounded by their block and not, alone and beside one region per
+  block of the rest of the step (:func:`further_regions`), in 2, 4, 8...
+  pieces, until a plan fits, and takes the plan that fits with the least
+  compute; without a budget, it takes the split that gives the lowest
+  predicted peak, doubling the pieces while that lowers the peak by more
+  than :data:`WORTH_A_DOUBLING`.
+
+A folded region may be recomputed like any op (its forward pieces run
+again), so splitting every block costs no more kept memory than
+checkpointing them.
 
 Every candidate is planned by the same planners and scored by the same
 simulator as the unsplit model.
@@ -23,8 +30,9 @@ simulator as the unsplit model.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, FrozenSet, List, Optional, Sequence, Tuple
 
+from memsaving.candidates.cuts import bottleneck_ops
 from memsaving.errors import BudgetError, CheckpointError
 from memsaving.model.graph import GraphModel
 from memsaving.model.splitting import grow_region, largest_splittable_ops
@@ -44,6 +52,15 @@ MAX_PIECES = 64
 
 SEEDS = 2
 """Ops ``"auto"`` grows regions around: those holding the most by themselves."""
+
+FURTHER_SEEDS = 64
+"""Ops ``"auto"`` grows further regions around, beside the first one
+(:func:`further_regions`): those holding the most by themselves."""
+
+FURTHER_PIECES = 2
+"""Pieces of each further region: one per block of a network, whose
+pieces are small already, so two halve what a block holds for few more
+kernels."""
 
 
 def explicit_split(model: GraphModel, seeds: Sequence[Tuple[int, int]]) -> GraphModel:
@@ -76,15 +93,37 @@ def explicit_split(model: GraphModel, seeds: Sequence[Tuple[int, int]]) -> Graph
     return fold_regions(model, regions)
 
 
-def region_choices(model: GraphModel, seed: int) -> List[Tuple[Tuple[int, ...], int]]:
+FENCE_FRACTION = 0.5
+"""A region stops at the tensors every path of the step crosses that are
+smaller than this fraction of its seed's largest output: the boundaries
+between a network's blocks (a residual stream between a transformer's
+attention and MLP, the features before a language model's head)."""
+
+
+def region_choices(model: GraphModel, seed: int, fenced: bool = True) -> List[Tuple[Tuple[int, ...], int]]:
     """The regions that can be grown around op ``seed``, one per number of
-    rows it can be cut into: ``[(ops, rows), ...]``."""
+    rows it can be cut into: ``[(ops, rows), ...]``.  With ``fenced``, each
+    stops at the small tensors every path crosses (:data:`FENCE_FRACTION`):
+    a region grown on past one takes in the next block of a transformer,
+    whose results it must then hand on whole; unfenced, it may take in a
+    whole network (a U-Net's pieces of the batch, from its input to its
+    loss)."""
+    floor = FENCE_FRACTION * max((model.tensors[t].gradient_bytes for t in model.ops[seed].outputs), default=0)
+    fences = frozenset(t for t in crossed_tensors(model) if model.tensors[t].gradient_bytes < floor) if fenced \
+        else frozenset()
     found = []
     for rows, _ in model.ops[seed].row_splits:
-        region = grow_region(model, seed, rows)
+        region = grow_region(model, seed, rows, fences=fences)
         if region is not None:
             found.append((region, rows))
     return found
+
+
+def crossed_tensors(model: GraphModel) -> FrozenSet[int]:
+    """The outputs of the forward ops every path from the step's inputs to
+    its results crosses (:func:`memsaving.candidates.cuts.bottleneck_ops`)."""
+    return model.derived("crossed tensors", lambda: frozenset(
+        t for i in bottleneck_ops(model) for t in model.ops[i].outputs))
 
 
 def _region_cost(model: GraphModel, ops: Sequence[int]) -> float:
@@ -123,13 +162,19 @@ def auto_split(model: GraphModel, plan: Planner, has_budget: bool):
     tried = set()
     floors = []  # the smallest budgets the failed splits report
     for seed, _ in largest_splittable_ops(model, SEEDS):
-        for region, rows in region_choices(model, seed):
+        for region, rows in region_choices(model, seed, fenced=False) + region_choices(model, seed):
             if (region, rows) in tried:
                 continue  # the regions of two seeds are often the same
             tried.add((region, rows))
             found = _split_for(model, plan, region, rows, has_budget, floors)
             if found is not None and (best is None or _better(found, best, has_budget)):
                 best = found
+            # the same region beside one region per block of the rest of the step
+            further = further_regions(model, region)
+            if further:
+                found = _split_for(model, plan, region, rows, has_budget, floors, further)
+                if found is not None and (best is None or _better(found, best, has_budget)):
+                    best = found
     if best is None:
         floor = min((f for f in floors if f), default=None)
         unsplit = failure.smallest_budget
@@ -142,17 +187,40 @@ def auto_split(model: GraphModel, plan: Planner, has_budget: bool):
     return best
 
 
+def further_regions(model: GraphModel, first: Sequence[int]) -> List[Tuple[Tuple[int, ...], int, int]]:
+    """Regions around the ops that hold the most by themselves outside
+    ``first``, each grown as :func:`explicit_split` grows a seed's and
+    taken when it overlaps none taken before, in :data:`FURTHER_PIECES`
+    pieces: ``[(ops, rows, pieces), ...]``.  Fenced (:func:`region_choices`),
+    they are one per block of a network (a transformer's attention and
+    MLP), which the planners may then recompute like any op."""
+    taken = set(first)
+    found = []
+    for seed, _ in largest_splittable_ops(model, FURTHER_SEEDS):
+        if seed in taken:
+            continue
+        choices = [choice for choice in region_choices(model, seed)
+                   if choice[1] >= FURTHER_PIECES and taken.isdisjoint(choice[0])]
+        if not choices:
+            continue
+        region, rows = max(choices, key=lambda choice: (_region_cost(model, choice[0]), choice[1]))
+        taken.update(region)
+        found.append((region, rows, FURTHER_PIECES))
+    return found
+
+
 def _split_for(model: GraphModel, plan: Planner, region: Tuple[int, ...], rows: int,
-               has_budget: bool, floors: List[int]) -> Optional[object]:
-    """The plan of ``region`` cut into 2, 4, 8... pieces: with a budget, the
-    first that fits (None if none does; the smallest budgets the failures
-    report are added to ``floors``); without, the lowest peak, doubling
-    while it falls by more than :data:`WORTH_A_DOUBLING`."""
+               has_budget: bool, floors: List[int], further: Sequence = ()) -> Optional[object]:
+    """The plan of ``region`` cut into 2, 4, 8... pieces, beside the
+    ``further`` regions (as :func:`fold_regions` takes them): with a budget,
+    the first that fits (None if none does; the smallest budgets the
+    failures report are added to ``floors``); without, the lowest peak,
+    doubling while it falls by more than :data:`WORTH_A_DOUBLING`."""
     best = None
     pieces = 2
     while pieces <= min(rows, MAX_PIECES):
         try:
-            found = plan(fold_regions(model, [(region, rows, pieces)]))
+            found = plan(fold_regions(model, [(region, rows, pieces)] + list(further)))
         except BudgetError as error:
             found = None
             floors.append(error.smallest_budget)

@@ -131,7 +131,7 @@ def _folded_op(model: GraphModel, ops: Tuple[int, ...], rows: int, chunks: int) 
     grad_timed = timed and all(op.grad_seconds is not None for op in members if op.forward)
     op = OpInfo(
         name=name, type=SPLIT_OP_TYPE, inputs=inputs, outputs=tuple(outputs),
-        forward=any(op.forward for op in members), copyable=False,
+        forward=any(op.forward for op in members), copyable=True,
         # every piece is recomputed from the region's inputs, whatever their kind
         grad_reads=tuple(t for t in inputs if model.tensors[t].producer >= 0),
         cost=sum(op.cost for op in members), temp_bytes=forward_bytes, grad_temp_bytes=backward_bytes,

@@ -176,13 +176,13 @@ class BackwardBuilder:
         """Propagate the gradients of kept op ``op``'s outputs to its inputs
         (``ops``: the segment to copy when ``op`` is copyable; ``op`` may
         be a split region's :class:`~memsaving.tf.split_rewrite.SplitEmitter`)."""
-        if isinstance(op, SplitEmitter):
-            self._split_region(op)
+        if isinstance(op, SplitEmitter) and len(ops) <= 1:
+            self._split_region(op)  # its inputs are kept: nothing to recompute
             return
         outs, out_grads = self._output_gradients(op)
         if not outs:
             return
-        if is_copyable(op):
+        if isinstance(op, SplitEmitter) or is_copyable(op):
             self._segment(op, ops, outs, out_grads)
         elif op.type == "ReadVariableOp":
             handle = op.inputs[0]
@@ -251,17 +251,31 @@ class BackwardBuilder:
         """Copies of ``ops`` reading each other, ``proxies``, rebuilt inner
         checkpoints, or else the forward tensors; roots wait on ``wait_for``."""
         copies = {}
+        regions = object_identity.ObjectIdentityDictionary()  # a recomputed region's output -> its copy
+
+        def read(t: tf.Tensor) -> tf.Tensor:
+            if t in regions:
+                return regions[t]
+            if t.op in copies:
+                return copies[t.op].outputs[t.value_index]
+            if t in proxies:
+                return proxies[t]
+            return self.sources.get(t, t)
+
+        def copied(t: tf.Tensor) -> bool:
+            return t in regions or t.op in copies
+
         for original in ops:
-            inputs = []
-            for t in original.inputs:
-                if t.op in copies:
-                    inputs.append(copies[t.op].outputs[t.value_index])
-                elif t in proxies:
-                    inputs.append(proxies[t])
-                else:
-                    inputs.append(self.sources.get(t, t))
+            if isinstance(original, SplitEmitter):
+                waits = () if any(copied(t) for t in original.inputs) else wait_for
+                copy = original.recompute(read, waits, self.gradients_fn, self.gradient_kwargs, prefix)
+                copies[original] = copy
+                for t, c in zip(original.outputs, copy.outputs):
+                    regions[t] = c
+                continue
+            inputs = [read(t) for t in original.inputs]
             control = [copies.get(c, c) for c in original.control_inputs]
-            if not any(t.op in copies for t in original.inputs):
+            if not any(copied(t) for t in original.inputs):
                 if original.type in WAIT_ON_INPUT and wait_for:
                     inputs[0] = _waiting(inputs[0], wait_for, prefix)
                 else:
@@ -322,7 +336,7 @@ class BackwardBuilder:
             with tf.device(t.op.device):
                 proxies[t] = tf.identity(self.sources.get(t, t), name=f"segment_inputs_{self.segments}/{_PROXY_NAME}")
         copies = self._copy_ops(ops, proxies, wait_for, prefix)
-        copied_outs = [copies[op].outputs[t.value_index] for t in outs]
+        copied_outs = [copies[op].outputs[_output_index(op, t)] for t in outs]
         results = self._differentiate([copies[o] for o in ops], copied_outs, list(proxies.values()),
                                       grad_ys=out_grads, first_wait_for=wait_for)
         if not recomputes_anchor(op.type):
@@ -408,6 +422,13 @@ class BackwardBuilder:
                 g = default_gradient.zeros_like(x)
             results.append(g)
         return results
+
+
+def _output_index(op, t: tf.Tensor) -> int:
+    """Which output of ``op`` (an op or a split region) ``t`` is."""
+    if isinstance(op, SplitEmitter):
+        return next(k for k, u in enumerate(op.outputs) if u is t)
+    return t.value_index
 
 
 def _outside_inputs(ops: Sequence[tf.Operation], boundary: list) -> list:

@@ -283,10 +283,10 @@ def piece_shape(shape: Sequence[int], rows: int, n: int) -> List[int]:
 
 
 def piece_op(op: tf.Operation, inputs: List[tf.Tensor], rows: int, n: int, batch_size: int, name: str,
-             control: Sequence[tf.Operation] = ()) -> List[tf.Tensor]:
+             cut: Sequence[int], control: Sequence[tf.Operation] = ()) -> List[tf.Tensor]:
     """The outputs of ``op`` run on one piece of ``n`` rows: ``inputs`` are
-    its inputs, row inputs in piece form and the others whole, in
-    ``op``'s order.  Ops whose attributes or constant inputs refer to
+    its inputs, in ``op``'s order, those at positions ``cut`` (its row
+    inputs) in piece form and the others whole.  Ops whose attributes or constant inputs refer to
     dimensions get them adjusted to the piece form; the others are copied
     as they are.  The op made waits on ``control``; the constants it reads
     do not (Grappler's constant folding moves the waits of constants onto
@@ -301,7 +301,7 @@ def piece_op(op: tf.Operation, inputs: List[tf.Tensor], rows: int, n: int, batch
         perm = [int(p) for p in _constant(op.inputs[1])]
         outputs = [tf.transpose(inputs[0], [0] + [p - d_out + 1 for p in perm[d_out:]], name=name)]
     else:
-        outputs = _copied(op, _piece_inputs(op, inputs, rows, batch_size, out_shapes, piece_shapes, d_out),
+        outputs = _copied(op, _piece_inputs(op, inputs, rows, batch_size, out_shapes, piece_shapes, d_out, cut),
                           name, piece_shapes, d_out)
     made = outputs[0].op
     if control:
@@ -310,7 +310,7 @@ def piece_op(op: tf.Operation, inputs: List[tf.Tensor], rows: int, n: int, batch
 
 
 def _piece_inputs(op: tf.Operation, inputs: List[tf.Tensor], rows: int, batch_size: int, out_shapes,
-                  piece_shapes, d_out: int) -> List[tf.Tensor]:
+                  piece_shapes, d_out: int, cut: Sequence[int]) -> List[tf.Tensor]:
     """``op``'s inputs for a piece, with what names dimensions adjusted."""
     kind = op.type
     if kind in REDUCTIONS:
@@ -327,8 +327,8 @@ def _piece_inputs(op: tf.Operation, inputs: List[tf.Tensor], rows: int, batch_si
         multiples = [int(m) for m in _constant(op.inputs[1])]
         return [inputs[0], tf.constant([1] + multiples[d_out:], dtype=op.inputs[1].dtype)]
     if kind in BROADCASTING:
-        return [_broadcastable(t, original, out_shapes[0], d_out, batch_size)
-                for t, original in zip(inputs, op.inputs)]
+        return [t if k in cut else _broadcastable(t, original, out_shapes[0], d_out, batch_size)
+                for k, (t, original) in enumerate(zip(inputs, op.inputs))]
     return inputs
 
 
@@ -349,10 +349,9 @@ def _copied(op: tf.Operation, inputs: List[tf.Tensor], name: str, piece_shapes, 
 
 
 def _broadcastable(t: tf.Tensor, original: tf.Tensor, out_shape, d: int, batch_size: int) -> tf.Tensor:
-    """A whole input of a broadcasting op made to broadcast against the
-    piece form: the dimensions it has over the rows (all 1) dropped."""
-    if t is not original:
-        return t  # a row input, already in piece form
+    """A whole input of a broadcasting op (``t``, or the tensor read instead
+    of it) made to broadcast against the piece form: the dimensions it has
+    over the rows (all 1) dropped."""
     shape = static_shape(original, batch_size)
     over_rows = len(shape) - (len(out_shape) - d)
     if over_rows <= 0:

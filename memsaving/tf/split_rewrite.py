@@ -38,16 +38,26 @@ piece).
 
 from __future__ import annotations
 
+import contextlib
+import math
 from typing import Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import gen_array_ops
 from tensorflow.python.util import object_identity
 
-from memsaving.model.splitting import METADATA_OPS, SplitRegion, row_dims
+from memsaving.model.splitting import METADATA_OPS, SPLIT_OP_TYPE, SplitRegion, row_dims
 from memsaving.tf.aggregation import producing_ops
+from memsaving.tf.constant_values import from_constants
 from memsaving.tf.forward import is_trainable
 from memsaving.tf.rows import metadata_value, piece_op, piece_shape, row_splits, static_shape
+
+
+FOLDED_BYTES = 10 * 2 ** 20
+"""TensorFlow folds a value computed from constants into a constant when it
+is at most this large (the limit of its constant folding); pieces of such
+values up to this size are made once for every copy of a region, since
+they are held as constants anyway."""
 
 
 def piece_sizes(rows: int, chunks: int) -> List[int]:
@@ -79,6 +89,10 @@ class SplitEmitter:
         self.positions = {op: dict(row_splits(op, batch_size))[region.rows] for op in self.ops}
         self.merged = object_identity.ObjectIdentityDictionary()
         """Each region output -> its pieces concatenated (after :meth:`forward`)."""
+        self._constant_ops: Dict[tf.Operation, bool] = {}
+        """Ops known to compute (or not) values from constants alone."""
+        self._constants: Dict = {}
+        """(op, piece) or (tensor ref, piece) -> the piece made once for every copy."""
 
     @property
     def name(self) -> str:
@@ -105,6 +119,46 @@ class SplitEmitter:
             piece.op._add_control_inputs(list(waits))  # pylint: disable=protected-access
         return piece
 
+    def _pieces_of_inputs(self, rows: List[tf.Tensor], c: int, prefix: str, waits: Sequence[tf.Operation]) -> Dict:
+        """Piece ``c`` of each row input (``rows``: from :meth:`_rows_of`);
+        the pieces of a value computed from constants are the region's own
+        (:meth:`_constant_input_piece`)."""
+        pieces = _by_tensor()
+        for i, (t, r) in enumerate(zip(self.row_inputs, rows)):
+            if self._shared_constant(t, c):
+                pieces[t] = self._constant_input_piece(t, c)
+            else:
+                pieces[t] = self._piece_of(r, c, f"{prefix}{i}_", waits)
+        return pieces
+
+    def _shared_constant(self, t: tf.Tensor, c: int) -> bool:
+        """True when piece ``c`` of ``t`` is made once for every copy of the
+        region: ``t``'s value comes from constants alone and its piece is one
+        TensorFlow folds (:data:`FOLDED_BYTES`)."""
+        shape = static_shape(t, self.batch_size)
+        if None in shape or not from_constants(t, self._constant_ops):
+            return False
+        return t.dtype.size * math.prod(shape) * self.sizes[c] // self.region.rows <= FOLDED_BYTES
+
+    def _constant_input_piece(self, t: tf.Tensor, c: int) -> tf.Tensor:
+        """Piece ``c`` of row input ``t``, a value computed from constants,
+        made once and read by every copy of the region.  A fill (an all-true
+        ``ones_like``) is made again on the piece's shape rather than cut,
+        so that pieces of equal shape are equal ops (Grappler merges them
+        into one); other values are cut from ``t`` itself, not from a copy."""
+        key = (t.ref(), c)
+        if key not in self._constants:
+            prefix = f"{_scope(self.name)}/constants/{_scope(t.name)}_"
+            with _outside_any_context(self.graph), tf.device(t.op.device or None):
+                value = _fill_value(t)
+                if value is None:
+                    self._constants[key] = self._piece_of(self._rows_of(t, prefix), c, prefix)
+                else:
+                    shape = static_shape(t, self.batch_size)
+                    self._constants[key] = tf.fill([self.sizes[c]] + list(shape[row_dims(shape, self.region.rows):]),
+                                                   value, name=f"{prefix}fill_{c}")
+        return self._constants[key]
+
     def _run_piece(self, c: int, pieces: Dict, prefix: str, whole: Optional[Dict] = None):
         """Copies of the region's ops on piece ``c``: ``pieces`` maps each row
         input to its piece, ``whole`` may map a whole input to the tensor to
@@ -113,6 +167,9 @@ class SplitEmitter:
         n = self.sizes[c]
         for op in self.ops:
             positions = self.positions[op]
+            if op.outputs and all(self._shared_constant(t, c) for t in op.outputs):
+                made.update(zip(op.outputs, self._constant_piece(op, c)))
+                continue
             args = []
             for k, t in enumerate(op.inputs):
                 if t in made:
@@ -122,10 +179,30 @@ class SplitEmitter:
                 else:
                     args.append(whole[t] if whole is not None and t in whole else t)
             with tf.device(op.device or None):
-                outs = piece_op(op, args, self.region.rows, n, self.batch_size, f"{prefix}{op.name}")
+                outs = piece_op(op, args, self.region.rows, n, self.batch_size, f"{prefix}{op.name}", positions)
             for original, piece in zip(op.outputs, outs):
                 made[original] = piece
         return made
+
+    def _constant_piece(self, op: tf.Operation, c: int) -> List[tf.Tensor]:
+        """The outputs of region op ``op`` on piece ``c`` when they are values
+        computed from constants: made once, from the region's own pieces of
+        its inputs and the original whole inputs, and read by every copy."""
+        key = (op, c)
+        if key not in self._constants:
+            args = []
+            for k, t in enumerate(op.inputs):
+                if t.op in self.members:
+                    args.append(self._constant_piece(t.op, c)[t.value_index])
+                elif k in self.positions[op]:
+                    args.append(self._constant_input_piece(t, c))
+                else:
+                    args.append(t)
+            with _outside_any_context(self.graph), tf.device(op.device or None):
+                self._constants[key] = piece_op(op, args, self.region.rows, self.sizes[c], self.batch_size,
+                                                f"{_scope(self.name)}/constants/piece_{c}/{op.name}",
+                                                self.positions[op])
+        return self._constants[key]
 
     def _merge(self, pieces: List[tf.Tensor], like: tf.Tensor, name: str) -> tf.Tensor:
         shape = static_shape(like, self.batch_size)
@@ -133,23 +210,68 @@ class SplitEmitter:
             whole = tf.concat(pieces, axis=0, name=f"{name}_concat")
             return tf.reshape(whole, shape, name=f"{name}_merged")
 
+    @property
+    def type(self) -> str:
+        return SPLIT_OP_TYPE
+
+    @property
+    def inputs(self) -> List[tf.Tensor]:
+        """The region's inputs (row inputs, then whole ones), as an op's."""
+        return self.row_inputs + self.whole_inputs
+
     # -- forward ------------------------------------------------------------
     def forward(self, wait_for: Sequence[tf.Operation] = ()) -> None:
         """Compute the region in pieces; :attr:`merged` holds its outputs."""
-        prefix = f"{_scope(self.name)}/forward/"
+        self.merged.update(self._pieces_merged(lambda t: t, wait_for, f"{_scope(self.name)}/forward/"))
+
+    def _pieces_merged(self, read: Callable, wait_for: Sequence[tf.Operation], prefix: str) -> Dict:
+        """The region's outputs computed in pieces from ``read(t)`` for each
+        input ``t``, put together (by output tensor)."""
         pieces = _by_tensor((t, []) for t in self.outputs)
-        rows = [self._rows_of(t, f"{prefix}{i}_") for i, t in enumerate(self.row_inputs)]
+        rows = [self._rows_of(read(t), f"{prefix}{i}_") for i, t in enumerate(self.row_inputs)]
+        whole = _by_tensor((t, read(t)) for t in self.whole_inputs)
         control = list(wait_for)
         for c in range(self.region.chunks):
             # piece c's rows are sliced once the piece before is done
-            inputs = _by_tensor((t, self._piece_of(r, c, f"{prefix}{i}_", control))
-                                for i, (t, r) in enumerate(zip(self.row_inputs, rows)))
-            made = self._run_piece(c, inputs, f"{prefix}piece_{c}/")
+            inputs = self._pieces_of_inputs(rows, c, prefix, control)
+            made = self._run_piece(c, inputs, f"{prefix}piece_{c}/", whole)
             for t in self.outputs:
                 pieces[t].append(made[t])
             control = [made[t].op for t in self.outputs]
-        for i, t in enumerate(self.outputs):
-            self.merged[t] = self._merge(pieces[t], t, f"{prefix}output_{i}")
+        return _by_tensor((t, self._merge(pieces[t], t, f"{prefix}output_{i}")) for i, t in enumerate(self.outputs))
+
+    def recompute(self, read: Callable, wait_for: Sequence[tf.Operation], gradients_fn: Callable,
+                  gradient_kwargs: Optional[dict], prefix: str) -> tf.Operation:
+        """The region computed again in pieces from ``read(t)`` for each input
+        ``t`` (a segment's copies), as one op whose outputs are the region's
+        (in :attr:`outputs`' order) and whose gradient is :meth:`backward`
+        on the same inputs: ``tf.gradients`` through a recomputed region
+        differentiates it piece by piece, recomputing each piece, so the
+        pieces made here are freed once put together."""
+        # values computed from constants are not inputs: the pieces read the region's own
+        inputs = [t for t in self.inputs if not from_constants(t, self._constant_ops)]
+        given = [read(t) for t in inputs]
+
+        @tf.custom_gradient
+        def region(*args):
+            copies = _by_tensor(zip(inputs, args))
+            merged = self._pieces_merged(lambda t: copies.get(t, t), wait_for, f"{prefix}{_scope(self.name)}/")
+
+            def gradient(*dys, variables=None):
+                out_grads = _by_tensor((t, g) for t, g in zip(self.outputs, dys) if g is not None)
+                found = self.backward(out_grads, [g.op for g in dys if g is not None], gradients_fn,
+                                      sources=copies, gradient_kwargs=gradient_kwargs)
+                seen = set()
+                grads = []
+                for t in inputs:  # an input both cut and read whole gets its gradient once
+                    grads.append(None if id(t) in seen else found.get(t))
+                    seen.add(id(t))
+                return grads if variables is None else (grads, [None] * len(variables))
+
+            return [merged[t] for t in self.outputs], gradient
+
+        outputs = region(*given)
+        return outputs[0].op
 
     # -- backward -----------------------------------------------------------
     def backward(self, out_grads: Dict, wait_for: Sequence[tf.Operation], gradients_fn: Callable,
@@ -176,8 +298,7 @@ class SplitEmitter:
         control: List[tf.Operation] = list(wait_for)
         for c in range(self.region.chunks):
             # piece c's rows are sliced once the piece before is differentiated
-            inputs = _by_tensor((t, self._piece_of(r, c, f"{prefix}{i}_", control))
-                                for i, (t, r) in enumerate(zip(self.row_inputs, rows)))
+            inputs = self._pieces_of_inputs(rows, c, prefix, control)
             made = self._run_piece(c, inputs, f"{prefix}piece_{c}/", _by_tensor(zip(wanted_whole, whole)))
             ys = [made[t] for t, _ in incoming]
             # a weight accumulated in place: the gradient of its product instead
@@ -285,7 +406,24 @@ class SplitEmitter:
                                     reader._update_input(index, value)  # pylint: disable=protected-access
 
 
-def _by_tensor(pairs) -> object_identity.ObjectIdentityDictionary:
+def _fill_value(t: tf.Tensor) -> Optional[tf.Tensor]:
+    """The scalar ``t`` is filled with, when it is a ``Fill`` of a constant
+    scalar (over any shape), else None."""
+    if t.op.type != "Fill":
+        return None
+    value = t.op.inputs[1]
+    return value if value.op.type == "Const" and value.shape.rank == 0 else None
+
+
+@contextlib.contextmanager
+def _outside_any_context(graph: tf.Graph):
+    """No control dependencies and no colocation: ops made once and read by
+    every copy of a region must not wait on (or sit with) the first copy's."""
+    with tf.control_dependencies(None), graph.colocate_with(None, ignore_existing=True):
+        yield
+
+
+def _by_tensor(pairs=()) -> object_identity.ObjectIdentityDictionary:
     """A dictionary keyed by tensors (which are not hashable) from ``pairs``."""
     found = object_identity.ObjectIdentityDictionary()
     for key, value in pairs:

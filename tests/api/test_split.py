@@ -4,6 +4,7 @@ Gradients are checked against ``tf.gradients`` (within float rounding of
 the summation order: a weight gradient is summed piece by piece), and the
 saving by measuring the allocator's peak."""
 
+import gc
 import subprocess
 import sys
 
@@ -257,6 +258,17 @@ def test_a_region_that_reads_another_regions_result():
     assert set(first.outputs) & set(second.row_inputs)  # the regions touch
 
 
+def _lowest_and_tight(loss, model):
+    """The lowest unsplit plan and a budget below it: the memory in use
+    before the step (which depends on what earlier tests left in the
+    allocator) and 0.7 of what that plan adds to it.  Earlier tests'
+    garbage is collected first: freed between two plans, it would move the
+    memory in use, and the budget with it, by megabytes."""
+    gc.collect()
+    lowest = memsaving.plan(loss, model.trainable_variables, checkpoints="memory", profile=False)
+    return lowest, lowest.resident_bytes + int(0.7 * (lowest.predicted_peak - lowest.resident_bytes))
+
+
 def test_auto_split_under_a_budget_only_when_needed():
     model, x, labels = _lm_head(batch=2, seq=64, width=16, vocab=2048)
     found = {}
@@ -264,10 +276,7 @@ def test_auto_split_under_a_budget_only_when_needed():
     @tf.function
     def step(x, labels):
         loss, _ = _loss(model, x, labels)
-        lowest = memsaving.plan(loss, model.trainable_variables, checkpoints="memory", profile=False)
-        # 0.7 of what the step adds to the memory in use before it (which
-        # depends on what earlier tests left in the allocator)
-        tight_budget = lowest.resident_bytes + int(0.7 * (lowest.predicted_peak - lowest.resident_bytes))
+        lowest, tight_budget = _lowest_and_tight(loss, model)
         roomy = memsaving.plan(loss, model.trainable_variables, budget=lowest.predicted_peak, split="auto",
                                profile=False)
         tight = memsaving.plan(loss, model.trainable_variables, budget=tight_budget, split="auto", profile=False)
@@ -280,6 +289,33 @@ def test_auto_split_under_a_budget_only_when_needed():
     _compare(ours, plain)
     assert not found["roomy"].splits
     assert found["tight"].splits and found["tight"].predicted_peak <= found["budget"]
+
+
+def test_auto_split_in_a_calibration_splits_before_it_takes_the_lowest_plan():
+    """fit_to_budget asks for the lowest plan when none fits (or_lowest):
+    split="auto" must still split to fit first, and give the lowest split
+    when even that does not fit, not the unsplit plan that fits nothing."""
+    from memsaving.fit_budget import budget_margin  # pylint: disable=import-outside-toplevel
+
+    model, x, labels = _lm_head(batch=2, seq=64, width=16, vocab=2048)
+    found = {}
+
+    @tf.function
+    def step(x, labels):
+        loss, _ = _loss(model, x, labels)
+        lowest, tight = _lowest_and_tight(loss, model)
+        with budget_margin(0, or_lowest=True):
+            found["fits"] = memsaving.plan(loss, model.trainable_variables, budget=tight, split="auto",
+                                           profile=False)
+            found["nothing fits"] = memsaving.plan(loss, model.trainable_variables, budget=lowest.resident_bytes,
+                                                   split="auto", profile=False)
+        found.update(lowest=lowest, budget=tight)
+        return loss
+
+    step(x, labels)
+    assert found["fits"].splits and found["fits"].predicted_peak <= found["budget"]
+    assert found["nothing fits"].splits
+    assert found["nothing fits"].predicted_peak < found["lowest"].predicted_peak
 
 
 def test_split_errors_say_what_to_do():
@@ -305,25 +341,42 @@ def test_split_errors_say_what_to_do():
         memsaving.options.parse_options({"split": "yes"})
 
 
-def _gpt_step_gradients(split):
+def _gpt_step_gradients(split, size=16, dim=32, checkpoints=lambda logits: "memory"):
     from memsaving.tools import models  # pylint: disable=import-outside-toplevel
 
     keras.utils.set_random_seed(3)
-    model = models.gpt(size=16, layers=2, dim=32, heads=2, vocab=64)
-    tokens = tf.constant(np.random.default_rng(3).integers(0, 64, (2, 17)).astype(np.int32))
+    model = models.gpt(size=size, layers=2, dim=dim, heads=2, vocab=64)
+    tokens = tf.constant(np.random.default_rng(3).integers(0, 64, (2, size + 1)).astype(np.int32))
     plans = []
 
     @tf.function
     def step(tokens):
         logits = model(tokens[:, :-1], training=True)
         loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(tokens[:, 1:], logits, from_logits=True))
-        ours, plan = memsaving.gradients_and_plan(loss, model.trainable_variables, checkpoints="memory",
+        ours, plan = memsaving.gradients_and_plan(loss, model.trainable_variables, checkpoints=checkpoints(logits),
                                                   split=split(logits), profile=False)
         plans.append(plan)
+        _FILLS.clear()
+        for op in tf.compat.v1.get_default_graph().get_operations():
+            if op.type == "Fill" and "memsaving" in op.name:
+                _FILLS.setdefault("fills", []).append(op.name)
+            if op.type == "Slice" and op.inputs[0].op.type == "Reshape" and op.inputs[0].op.inputs[0].op.type == "Fill":
+                _FILLS.setdefault("cut_fills", []).append(op.name)
+            if op.type == "LogicalAnd" and "memsaving" in op.name:
+                _FILLS.setdefault("masks", []).append(op.name)
+            if op.type == "IdentityN" and any(t.op.type == "Fill" for t in op.inputs):
+                _FILLS.setdefault("whole_fills_read", []).append(op.name)
         return ours, tf.gradients(loss, model.trainable_variables)
 
     ours, plain = step(tokens)
     return ours, plain, plans[0]
+
+
+_FILLS = {}
+"""The split step's fills made per piece (``"fills"``), pieces cut from a
+fill (``"cut_fills"``), the mask's pieces (``"masks"``) and the custom
+gradients reading a whole fill (``"whole_fills_read"``), by
+:func:`_gpt_step_gradients`."""
 
 
 def test_gpt_head_and_last_block_split_token_by_token():
@@ -339,6 +392,34 @@ def test_gpt_head_and_last_block_split_token_by_token():
 def test_gpt_split_auto_without_budget():
     ours, plain, plan = _gpt_step_gradients(lambda logits: "auto")
     _compare(ours, plain)
+
+
+def test_gpt_attention_regions_recomputed_piece_by_piece():
+    """Each block's attention split along the batch (its region stops at the
+    residual stream): the plan recomputes the regions it does not keep, and
+    the causal mask's all-true fill is made per piece, not cut, once for
+    every copy of the region."""
+
+    def attention(logits):
+        return {op: 2 for op in logits.graph.get_operations() if op.type == "Softmax"}
+
+    def features(logits):
+        # the head's input, kept: the blocks before it, regions included, are one recomputed segment
+        head = logits.op.inputs[0].op.inputs[0].op  # BiasAdd(Reshape(MatMul(Reshape(features))))
+        return [head.inputs[0].op.inputs[0]]
+
+    # 64 tokens of width 16: the score matrices dwarf the residual stream
+    ours, plain, plan = _gpt_step_gradients(attention, size=64, dim=16, checkpoints=features)
+    _compare(ours, plain)
+    assert len(plan.splits) == 2 and all(r.rows == 2 for r in plan.splits)
+    assert not any(r.name in plan.kept_ops for r in plan.splits)  # both recomputed in a segment
+    assert _FILLS.get("fills") and not _FILLS.get("cut_fills")
+    # the mask is computed from constants: each region makes its 2 pieces
+    # once, for the forward pass, the recomputation and the backward pass
+    # alike (each op made would be a constant TensorFlow holds), and the
+    # recomputed regions do not take the whole fill in
+    assert len(_FILLS["masks"]) == 2 * 2, _FILLS["masks"]
+    assert not _FILLS.get("whole_fills_read")
 
 
 def test_unet_split_auto_whole_examples():

@@ -14,7 +14,8 @@ from memsaving.model.splitting import (SPLIT_OP_TYPE, grow_region, in_place_weig
 from memsaving.sim.split_regions import fold_regions, piece_figures
 from memsaving.planners.modes import memory_proposal
 from memsaving.planners.planning import make_plan
-from memsaving.planners.splits import auto_split, explicit_split
+from memsaving.model.schedule import kept_set
+from memsaving.planners.splits import auto_split, explicit_split, region_choices
 from memsaving.sim.simulate import simulate
 
 ROWS = 64
@@ -75,7 +76,8 @@ def test_folded_model_is_valid_and_holds_a_piece_at_a_time():
     validate_model(folded)
     assert [op.type for op in folded.ops] == [SPLIT_OP_TYPE, "Mean"]
     region_op = folded.ops[0]
-    assert region_op.chunks == 8 and not region_op.copyable
+    # a segment may recompute it: its forward pieces run again, its outputs need not be kept
+    assert region_op.chunks == 8 and region_op.copyable
     logits = model.tensors[3].nbytes
     # one piece of the logits and of the softmax saved for the gradient at a time
     assert region_op.temp_bytes < logits / 2
@@ -227,3 +229,37 @@ def test_auto_split_without_budget_lowers_the_peak():
     model = _lm_head()
     found = auto_split(model, _memory_plan, has_budget=False)
     assert found.splits and found.predicted_peak < _memory_plan(model).predicted_peak / 2
+
+
+def test_region_stops_at_a_fence():
+    model = _lm_head()
+    # the hidden features fenced: the region around the product does not take in their tanh
+    assert grow_region(model, 1, ROWS, fences={2}) == (1, 2)
+    assert grow_region(model, 0, ROWS, fences={2}) == (0,)
+
+
+def test_regions_are_fenced_at_small_tensors_every_path_crosses():
+    # the head's features (16 wide), made from its input by a scale then a
+    # tanh, are far smaller than its logits (1,024 wide) and every path
+    # crosses them: the region grown from the logits stops there
+    head = _lm_head()
+    scaled = TensorInfo("scaled", head.tensors[0].nbytes, 0, shape=(ROWS, WIDTH))
+    rule = ((ROWS, (0,)),)
+    ops = [OpInfo("scale", "Neg", (0,), (7,), row_splits=rule)]
+    ops += [replace(op, inputs=(7,)) if op.name == "hidden" else op for op in head.ops]
+    tensors = {t: (replace(info, producer=info.producer + 1) if info.producer >= 0 else info)
+               for t, info in head.tensors.items()}
+    tensors[7] = scaled
+    model = GraphModel(ops, tensors, xs=[0, 1], ys=[5], separate_result_kernels=True)
+    validate_model(model)
+    assert region_choices(model, 2) == [((2, 3), ROWS)]
+    # grown from the tanh, whose features are its largest output, nothing stops it
+    assert region_choices(model, 1) == [((0, 1, 2, 3), ROWS)]
+
+
+def test_a_region_the_output_unit_would_differentiate_is_kept():
+    model = _lm_head()
+    folded = fold_regions(model, [(grow_region(model, 1, ROWS), ROWS, 8)])
+    region = next(i for i, op in enumerate(folded.ops) if op.type == SPLIT_OP_TYPE)
+    # copyable, but only the loss's mean follows it: the output unit would take it in
+    assert folded.ops[region].copyable and region in kept_set(folded, [])
