@@ -13,12 +13,17 @@ run with:
   unsplit plan, multi-level plans included;
 * ``split (lowest)``: ``split="auto"`` without a budget: the split of
   lowest predicted peak;
-* ``split, budget``: ``split="auto"`` with a budget that leaves the step,
-  above the memory it starts with (weights, inputs), 0.95 of a third (GPT:
-  3x below, with 5% for the measured peak to exceed the prediction) or 0.8
-  (U-Net) of what the lower of the two unsplit peaks *measured* adds: the
-  planner splits what stops that budget from fitting, in as few pieces as
-  fit.
+* ``split, budget``: ``split="auto"`` with a budget, which the plan meets
+  as predicted: for the GPTs, 0.97 of a third of the lower of the two
+  unsplit peaks *measured* (the issue's 3x below, with 3% for the measured
+  peak to exceed the prediction); for the U-Net, one that leaves the step,
+  above the memory it starts with (weights, inputs), 0.8 of what that
+  unsplit peak adds.  The planner splits what stops that budget from
+  fitting, in as few pieces as fit;
+* ``split, fit_to_budget``: the same step made by
+  :func:`memsaving.fit_to_budget`, which measures its peak and plans again
+  until the *measured* peak fits: for the GPTs, a third of the lowest
+  unsplit peak; for the U-Net, the budget above.
 
 Every row prints the predicted peak next to the measured one (the CPU's
 BFC allocator, weights and inputs included), the step time (median of
@@ -44,8 +49,16 @@ prediction, made from the memory in use when planning, does not see, and
 how much of it was allocated while the step was traced, before it ran
 (``traced``).
 
-Each model is measured in a Python process of its own (the allocator
-keeps memory a model measured before left behind).  ``--quick`` shrinks both (vocabulary 4,000, 128 tokens; U-Net 128x128) to
+Each row is measured in a Python process of its own, as a user would run
+the step: in one process, a row would count what the rows before it left in
+use (their functions, the allocator's state) in its peak and against its
+budget.  Every process builds the same weights (a fixed seed).  The
+gradients are computed for the comparison in one more process per row
+(traced after the measured step had run, they would be planned with the
+memory that step holds in use) and compared with the plain row's, passed
+on in a file.
+
+``--quick`` shrinks both (vocabulary 4,000, 128 tokens; U-Net 128x128) to
 check the script in a minute.
 """
 
@@ -53,9 +66,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import multiprocessing
+import os
 import statistics
-import subprocess
-import sys
+import tempfile
 import time
 
 import memsaving  # noqa: F401  (sets up the allocator before TensorFlow)
@@ -65,6 +79,11 @@ import tensorflow as tf
 
 from memsaving.tf.measure import bytes_in_use, default_device
 from memsaving.tools import models
+
+
+def a_third_below(best: int, resident: int) -> int:
+    """0.97 of a third of ``best`` (the lowest unsplit peak measured)."""
+    return int(0.97 * best / 3)
 
 
 def gpt_case(quick: bool):
@@ -78,7 +97,7 @@ def gpt_case(quick: bool):
         logits = model(inputs, training=True)
         return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(targets, logits, from_logits=True))
 
-    return model, (inputs, targets), loss_fn, 0.95 / 3
+    return model, (inputs, targets), loss_fn
 
 
 def gpt2_case(quick: bool):
@@ -100,7 +119,7 @@ def gpt2_case(quick: bool):
         logits = backbone.token_embedding(hidden, reverse=True)
         return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(targets, logits, from_logits=True))
 
-    return backbone, (inputs, targets), loss_fn, 0.95 / 3
+    return backbone, (inputs, targets), loss_fn
 
 
 def unet_case(quick: bool):
@@ -112,30 +131,55 @@ def unet_case(quick: bool):
     def loss_fn(x, y):
         return tf.reduce_mean(tf.square(model(x, training=True) - y))
 
-    return model, (x, y), loss_fn, 0.8
+    return model, (x, y), loss_fn
+
+
+def a_fifth_off_the_step(best: int, resident: int) -> int:
+    """The memory the step starts with (weights, inputs) and 0.8 of what the
+    lowest unsplit peak measured adds to it."""
+    return int(resident + 0.8 * (best - resident))
 
 
 CASES = {"gpt": gpt_case, "gpt2": gpt2_case, "unet": unet_case}
+def a_third(best: int, resident: int) -> int:
+    """A third of ``best`` (the lowest unsplit peak measured)."""
+    return int(best / 3)
 
 
-def run(model, args, loss_fn, gradients, repeat: int):
+_THIRDS = {"split budget": a_third_below, "split fit": a_third}
+BUDGETS = {"gpt": _THIRDS, "gpt2": _THIRDS,
+           "unet": {"split budget": a_fifth_off_the_step, "split fit": a_fifth_off_the_step}}
+"""The budget of each budget row, from the lowest unsplit peak measured and
+the memory the step starts with."""
+
+
+def run(model, args, loss_fn, gradients, repeat: int, fit: int = 0):
     """Trace and run the step with ``gradients(loss, variables)``; return the
-    plan it recorded, the measured peak, the median step time, the
-    gradients themselves and what the step's function holds from its first
-    run on, with the part of it allocated while the step was traced."""
+    plan it recorded, the measured peak, the median step time, what the
+    step's function holds from its first run on with the part of it
+    allocated while the step was traced, and the calibration's margin.
+    With ``fit``, the step is made by :func:`memsaving.fit_to_budget` for
+    that budget, its plans made for the budget less the margin; what it
+    holds is then what the whole calibration left in use, and nothing is
+    said to be traced."""
     plans = []
 
-    @tf.function
-    def step(*args):
+    def step_fn(*args):
         loss = loss_fn(*args)
         grads, plan = gradients(loss, model.trainable_variables)
         plans.append(plan)
         return tf.add_n([tf.reduce_sum(tf.convert_to_tensor(g)) for g in grads])
 
-    gc.collect()  # what earlier rows left behind goes first
+    gc.collect()  # what building the model left behind goes first
     before = bytes_in_use(default_device())
-    step.get_concrete_function(*args)
-    traced = bytes_in_use(default_device()) - before
+    if fit:
+        step = memsaving.fit_to_budget(step_fn, *args, budget=fit)
+        traced = None
+        plans[:] = step.calibration.plans
+    else:
+        step = tf.function(step_fn)
+        step.get_concrete_function(*args)
+        traced = bytes_in_use(default_device()) - before
     step(*args)  # warm up
     held = bytes_in_use(default_device()) - before
     peak = memsaving.measure_peak(step, *args)
@@ -144,14 +188,19 @@ def run(model, args, loss_fn, gradients, repeat: int):
         start = time.perf_counter()
         step(*args).numpy()
         times.append(time.perf_counter() - start)
+    margin = step.calibration.margin if fit else 0
+    return plans[-1], peak, statistics.median(times), (held, traced), margin
+
+
+def gradient_values(model, args, loss_fn, gradients) -> list:
+    """The gradients themselves, as arrays."""
 
     @tf.function
     def values(*args):
         return gradients(loss_fn(*args), model.trainable_variables)[0]
 
     # copies: an array viewing a tensor's buffer keeps it in the allocator
-    grads = [np.array(tf.convert_to_tensor(g).numpy(), copy=True) for g in values(*args)]
-    return plans[-1], peak, statistics.median(times), grads, (held, traced)
+    return [np.array(tf.convert_to_tensor(g).numpy(), copy=True) for g in values(*args)]
 
 
 def plain_gradients(loss, xs):
@@ -192,53 +241,136 @@ def max_relative_difference(ours, plain) -> float:
     return worst
 
 
+ROWS = ("plain", "memory", "floor", "split", "split budget", "split fit")
+"""The rows: ``split budget`` meets its budget as predicted (``budget=``),
+``split fit`` as measured (:func:`memsaving.fit_to_budget`)."""
+
+
+def row_gradients(row: str, model, args, loss_fn, budget: int):
+    """The gradient function of ``row`` (one of :data:`ROWS`), its label
+    and its budget (``floor`` finds its own when ``budget`` is 0)."""
+    mib = 2 ** 20
+    if row == "plain":
+        return plain_gradients, "plain tf.gradients", 0
+    if row == "memory":
+        return memsaving_gradients(checkpoints="memory"), "memory", 0
+    if row == "floor":
+        budget = budget or smallest_budget(model, args, loss_fn)
+        return memsaving_gradients(checkpoints="memory", budget=budget), "floor (budget, no split)", budget
+    if row == "split":
+        return memsaving_gradients(checkpoints="memory", split="auto"), "split (lowest)", 0
+    if row == "split budget":
+        return (memsaving_gradients(checkpoints="memory", split="auto", budget=budget),
+                f"split, budget {budget / mib:.0f} MiB", budget)
+    return (memsaving_gradients(checkpoints="memory", split="auto", budget=budget),
+            f"split, fit_to_budget {budget / mib:.0f} MiB", budget)
+
+
+def measure_row(name: str, quick: bool, repeat: int, row: str, budget: int = 0, timeline_units: int = 0) -> tuple:
+    """Build the model and measure one row's step, in the calling process.
+    Returns the row (label, predicted peak, measured peak, step time, held,
+    traced, regions; the peaks None and the regions an explanation on a
+    BudgetError), the budget it was given or found, the bytes the step
+    starts with, the model's parameter count and the timeline's lines if
+    asked."""
+    keras.utils.set_random_seed(0)  # the same weights in every row's process
+    model, args, loss_fn = CASES[name](quick)
+    gradients, label, budget = row_gradients(row, model, args, loss_fn, budget)
+    try:
+        plan, peak, seconds, (held, traced), margin = run(model, args, loss_fn, gradients, repeat,
+                                                          fit=budget if row == "split fit" else 0)
+    except memsaving.BudgetError as error:
+        return ((label, None, None, None, None, None,
+                 f"BudgetError, smallest budget found {error.smallest_budget / 2 ** 20:.1f} MiB"),
+                budget, 0, model.count_params(), [])
+    predicted = plan.plain_peak if row == "plain" else plan.predicted_peak
+    regions = ", ".join(f"{r.name} ({len(r.ops)} ops, {r.chunks} pieces of {r.rows} rows)"
+                        for r in getattr(plan, "splits", ()))
+    if row == "split fit":
+        regions = f"planned for {(budget - margin) / 2 ** 20:.1f} MiB after calibrating; {regions}"
+        budget -= margin  # what its gradients are compared at
+    lines = timeline_lines(model, args, loss_fn, timeline_units) if timeline_units else []
+    return ((label, predicted, peak, seconds, held, traced, regions), budget, plan.resident_bytes,
+            model.count_params(), lines)
+
+
+def compare_row(name: str, quick: bool, row: str, budget: int, reference_file: str) -> float:
+    """The largest relative difference of ``row``'s gradients from the plain
+    ones saved in ``reference_file`` (the ``plain`` row saves them there),
+    computed in the calling process.  Apart from the step that is measured:
+    a second function traced after the step has run would be planned with
+    the memory that step holds in use, and a budget plan then differs."""
+    keras.utils.set_random_seed(0)
+    model, args, loss_fn = CASES[name](quick)
+    if row == "split fit":  # planned for the calibrated budget, or else the lowest plan, as the calibration does
+        try:
+            grads = gradient_values(model, args, loss_fn, row_gradients("split budget", model, args, loss_fn,
+                                                                        budget)[0])
+        except memsaving.BudgetError:
+            grads = gradient_values(model, args, loss_fn, row_gradients("split", model, args, loss_fn, 0)[0])
+    else:
+        grads = gradient_values(model, args, loss_fn, row_gradients(row, model, args, loss_fn, budget)[0])
+    if row == "plain":
+        np.savez(reference_file, *grads)
+        return 0.0
+    with np.load(reference_file) as saved:
+        return max_relative_difference(grads, [saved[f"arr_{k}"] for k in range(len(grads))])
+
+
+def in_own_process(function, *arguments):
+    """``function(*arguments)`` in a fresh Python process: a row measured
+    after others in one process would count what they left in use
+    (functions, the allocator's own state) against its budget and in its
+    peak."""
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        return pool.apply(function, arguments)
+
+
 def measure(name: str, quick: bool, repeat: int, timeline_units: int = 0) -> list:
-    model, args, loss_fn, fraction = CASES[name](quick)
+    """Measure every row of one model, each step and each comparison of
+    gradients in a process of its own, print them side by side and return
+    them: (label, predicted, measured, step time, gradient difference,
+    held, traced, regions), the peaks None for a budget that fails."""
     mib = 2 ** 20
     rows = []
-    plan, peak, seconds, reference, held_traced = run(model, args, loss_fn, plain_gradients, repeat)
-    rows.append(("plain tf.gradients", plan.plain_peak, peak, seconds, 0.0, *held_traced, ""))
-    unsplit = []
-    for label, kwargs in (("memory", {"checkpoints": "memory"}),
-                          ("floor (budget, no split)", {"checkpoints": "memory",
-                                                        "budget": smallest_budget(model, args, loss_fn)})):
-        plan, peak, seconds, grads, held_traced = run(model, args, loss_fn, memsaving_gradients(**kwargs), repeat)
-        rows.append((label, plan.predicted_peak, peak, seconds, max_relative_difference(grads, reference), *held_traced,
-                     ""))
-        unsplit.append(peak)
-    best = min(unsplit)
-    # a fraction of the best unsplit plan's memory above what the step
-    # starts with (weights and inputs, the same in every plan)
-    resident = plan.resident_bytes
-    budget = int(resident + fraction * (best - resident))
-    for label, kwargs in (("split (lowest)", {}), (f"split, budget {budget / mib:.0f} MiB", {"budget": budget})):
-        try:
-            gradients = memsaving_gradients(checkpoints="memory", split="auto", **kwargs)
-            plan, peak, seconds, grads, held_traced = run(model, args, loss_fn, gradients, repeat)
-        except memsaving.BudgetError as error:
-            print(f"{label}: BudgetError, smallest budget found {error.smallest_budget / mib:.1f} MiB")
-            continue
-        regions = ", ".join(f"{r.name} ({len(r.ops)} ops, {r.chunks} pieces of {r.rows} rows)" for r in plan.splits)
-        rows.append((label, plan.predicted_peak, peak, seconds, max_relative_difference(grads, reference), *held_traced,
-                     regions))
-    print(f"\n{name}: {model.count_params():,} parameters; peaks include the {resident / mib:.1f} MiB the step starts "
-          "with (weights, inputs); 'above' ratios leave it out")
+    lines = []
+    with tempfile.TemporaryDirectory() as folder:
+        reference = os.path.join(folder, "plain.npz")
+        resident, parameters, best = 0, 0, 0
+        for row in ROWS:
+            if row == "split budget":
+                best = min(rows[1][2], rows[2][2])  # the unsplit plans' measured peaks
+            budget = BUDGETS[name][row](best, resident) if row in ("split budget", "split fit") else 0
+            measured, budget, start, parameters, timeline = in_own_process(
+                measure_row, name, quick, repeat, row, budget, timeline_units if row == "split" else 0)
+            resident = start or resident
+            lines += timeline
+            label, predicted, peak, seconds, held, traced, note = measured
+            difference = None if peak is None else in_own_process(compare_row, name, quick, row, budget,
+                                                                  reference)
+            rows.append((label, predicted, peak, seconds, difference, held, traced, note))
+    print(f"\n{name}: {parameters:,} parameters; peaks include the {resident / mib:.1f} MiB the step starts with "
+          "(weights, inputs); 'above' ratios leave it out; every row measured in a Python process of its own")
     print(f"{'strategy':30} {'predicted MiB':>13} {'measured MiB':>13} {'best unsplit / it':>18} {'above':>7} "
           f"{'step s':>7} {'grad rel diff':>13} {'held MiB':>8} {'traced':>6}")
-    for label, predicted, measured, step_seconds, diff, held, traced, note in rows:
-        above = (best - resident) / max(measured - resident, 1)
-        print(f"{label:30} {predicted / mib:>13.1f} {measured / mib:>13.1f} {best / measured:>17.2f}x {above:>6.2f}x "
-              f"{step_seconds:>7.2f} {diff:>13.1e} {held / mib:>8.1f} {traced / mib:>6.1f}")
-    for label, *_, note in rows:
-        if note:
+    for label, predicted, peak, step_seconds, diff, held, traced, note in rows:
+        if peak is None:
+            print(f"{label:30} {note}")
+            continue
+        above = (best - resident) / max(peak - resident, 1)
+        print(f"{label:30} {predicted / mib:>13.1f} {peak / mib:>13.1f} {best / peak:>17.2f}x {above:>6.2f}x "
+              f"{step_seconds:>7.2f} {diff:>13.1e} {held / mib:>8.1f} "
+              f"{'-' if traced is None else f'{traced / mib:.1f}':>6}")
+    for label, _, peak, *_, note in rows:
+        if note and peak is not None:
             print(f"  {label}: {note}")
-    if timeline_units:
-        print_timeline(model, args, loss_fn, timeline_units)
-    keras.backend.clear_session()
+    for line in lines:
+        print(line)
     return rows
 
 
-def print_timeline(model, args, loss_fn, units: int) -> None:
+def timeline_lines(model, args, loss_fn, units: int) -> list:
     """Where the lowest split's memory goes: the ``units`` backward units
     (or the forward pass) of largest measured peak, above the memory in use
     before the step (:func:`memsaving.tools.memory_timeline.timeline`)."""
@@ -246,14 +378,15 @@ def print_timeline(model, args, loss_fn, units: int) -> None:
 
     mib = 2 ** 20
     line = timeline(loss_fn, model.trainable_variables, args, checkpoints="memory", split="auto")
-    print(f"\nsplit (lowest): the {units} units of largest measured peak, above the {line.baseline / mib:.1f} MiB "
-          f"in use before the step (the plan predicts a peak {line.predicted_peak / mib:.1f} MiB above "
-          f"{line.plan.resident_bytes / mib:.1f}; the simulator's own timeline leaves work buffers out, so no "
-          "prediction per unit is printed)")
+    lines = [f"\nsplit (lowest): the {units} units of largest measured peak, above the {line.baseline / mib:.1f} MiB "
+             f"in use before the step (the plan predicts a peak {line.predicted_peak / mib:.1f} MiB above "
+             f"{line.plan.resident_bytes / mib:.1f}; the simulator's own timeline leaves work buffers out, so no "
+             "prediction per unit is printed)"]
     ranked = sorted(range(len(line.measured)), key=lambda k: -line.measured[k][2])[:units]
     for k in sorted(ranked):
         label, _, peak = line.measured[k]
-        print(f"  {label[:70]:70} {peak / mib:>8.1f} MiB")
+        lines.append(f"  {label[:70]:70} {peak / mib:>8.1f} MiB")
+    return lines
 
 
 def main(argv=None) -> None:
@@ -265,13 +398,8 @@ def main(argv=None) -> None:
                         help="also print the UNITS backward units of the lowest split with the largest measured "
                              "peaks")
     args = parser.parse_args(argv)
-    if len(args.models) == 1:
-        measure(args.models[0], args.quick, args.repeat, args.timeline)
-        return
-    for name in args.models:  # each in a process of its own: the allocator keeps what a model left
-        subprocess.run([sys.executable, "-m", "experiments.bench_split", "--models", name, "--repeat",
-                        str(args.repeat), "--timeline", str(args.timeline)] + (["--quick"] if args.quick else []),
-                       check=True)
+    for name in args.models:
+        measure(name, args.quick, args.repeat, args.timeline)
 
 
 if __name__ == "__main__":
