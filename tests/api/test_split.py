@@ -318,6 +318,31 @@ def test_auto_split_in_a_calibration_splits_before_it_takes_the_lowest_plan():
     assert found["nothing fits"].predicted_peak < found["lowest"].predicted_peak
 
 
+def test_lowest_split_of_a_gpt_in_a_calibration_has_every_gradient():
+    """Nothing fits a one-byte budget: a calibration (or_lowest) gets the
+    lowest split plan, whose gradients equal tf.gradients' (multi-level
+    plans around recomputed regions once lost most of them)."""
+    from memsaving.fit_budget import budget_margin  # pylint: disable=import-outside-toplevel
+    from memsaving.tools import models  # pylint: disable=import-outside-toplevel
+
+    # bench_split's quick GPT: the smallest found whose lowest plan was multi-level
+    keras.utils.set_random_seed(3)
+    model = models.gpt(size=128, layers=4, dim=256, heads=4, vocab=4000)
+    tokens = tf.constant(np.random.default_rng(3).integers(0, 4000, (8, 129)).astype(np.int32))
+
+    @tf.function
+    def step(tokens):
+        logits = model(tokens[:, :-1], training=True)
+        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(tokens[:, 1:], logits, from_logits=True))
+        with budget_margin(0, or_lowest=True):
+            ours = memsaving.gradients(loss, model.trainable_variables, checkpoints="memory", split="auto",
+                                       budget=1, profile=False)
+        return ours, tf.gradients(loss, model.trainable_variables)
+
+    ours, plain = step(tokens)
+    _compare(ours, plain)
+
+
 def test_split_errors_say_what_to_do():
     model, x, labels = _lm_head()
 
