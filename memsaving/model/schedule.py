@@ -319,7 +319,10 @@ op of the model."""
 
 def validate_inner(model: GraphModel, kept: Set[int], inner: Inner) -> None:
     """Raise ValueError unless every inner checkpoint lies inside its anchor's
-    segment, is copyable and has an output gradients flow through."""
+    segment, is copyable, has an output gradients flow through, and belongs
+    to one anchor only: the sub-segment of an op listed for several anchors
+    would run once per anchor, each time passing on the gradient summed so
+    far, so the ops before it would get some contributions twice."""
     def check(anchor: int, context: Set[int]):
         inside = inner.get(anchor, ())
         if not inside:
@@ -335,6 +338,12 @@ def validate_inner(model: GraphModel, kept: Set[int], inner: Inner) -> None:
         for sub in inside:
             check(sub, deeper)
 
+    owner: Dict[int, int] = {}
+    for anchor, inside in inner.items():
+        for i in inside:
+            if owner.setdefault(i, anchor) != anchor:
+                raise ValueError(f"inner checkpoint {model.ops[i].name} is given to two anchors, "
+                                 f"{model.ops[owner[i]].name} and {model.ops[anchor].name}: give it to one")
     unknown = set(inner) - set().union(kept, *[set(v) for v in inner.values()])
     if unknown:
         raise ValueError(f"inner checkpoints given for ops that anchor no segment: {sorted(unknown)}")

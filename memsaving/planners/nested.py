@@ -201,21 +201,27 @@ def nested_plan(model: GraphModel, cuts: List[List[int]], summary: Chain, target
 
 
 def _to_ops(model: GraphModel, cuts, level_one, inner_cuts, cost) -> Optional[NestedPlan]:
-    """Map cut indices to ops: each inner cut's ops go to the anchors (ops of
-    the enclosing cut) whose segment contains them."""
+    """Map cut indices to ops: each inner cut's op goes to one anchor (an op
+    of the enclosing cut) whose segment contains it, the first the backward
+    pass reaches.  Given to several, it would be differentiated once per
+    anchor, each time with the gradient summed so far (wrong gradients);
+    the other anchors recompute it inside their own segments instead."""
     checkpoint_ops = sorted({i for k in level_one for i in cuts[k]})
     kept = kept_set(model, checkpoint_ops)
     inner: Dict[int, Tuple[int, ...]] = {}
+    taken: set = set()
 
     def assign(anchor_cut: int, context: set):
         inside_cuts = inner_cuts.get(anchor_cut, [])
         if not inside_cuts:
             return
         deeper = context | {i for k in inside_cuts for i in cuts[k]}
-        for anchor in cuts[anchor_cut]:
+        for anchor in sorted(cuts[anchor_cut], reverse=True):  # the backward pass's order
             segment = set(closure(model, [anchor], context))
-            mine = tuple(sorted(i for k in inside_cuts for i in cuts[k] if i in segment and i != anchor))
+            mine = tuple(sorted(i for k in inside_cuts for i in cuts[k]
+                                if i in segment and i != anchor and i not in taken))
             if mine:
+                taken.update(mine)
                 inner[anchor] = tuple(sorted(set(inner.get(anchor, ())) | set(mine)))
         for k in inside_cuts:
             assign(k, deeper)

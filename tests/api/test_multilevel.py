@@ -5,6 +5,10 @@ A budget below what any single-level plan reaches gets a recursive plan
 be near the prediction and well below the lowest single-level plan's.
 """
 
+from unittest import mock
+
+import numpy as np
+import pytest
 import tensorflow as tf
 
 import memsaving
@@ -78,3 +82,48 @@ def test_multilevel_plan_measured_below_every_single_level_plan():
           f"single-level 'memory' measured {measured_memory / 2**20:.2f} MiB")
     assert measured_tight <= 1.3 * predicted
     assert measured_tight <= 0.7 * measured_memory
+
+
+def _three_readers_step(inner_of):
+    """x -> h -> u, and q, k, v each read u; the planner's proposal is
+    replaced by keeping q, k, v with the inner checkpoints ``inner_of``
+    (anchor name -> inner names) gives: the builder must follow it."""
+    from memsaving import api  # pylint: disable=import-outside-toplevel
+    from memsaving.model.proposal import Proposal  # pylint: disable=import-outside-toplevel
+
+    def proposed(model, *args, **kwargs):
+        index = model.op_index()
+        inner = {index[a]: tuple(index[i] for i in inside) for a, inside in inner_of.items()}
+        return Proposal([index["q"], index["k"], index["v"]], 0, 0.0, inner=inner, name="multi-level")
+
+    rng = np.random.default_rng(0)
+    ws = [tf.Variable(rng.standard_normal((16, 16)).astype(np.float32) * 0.3) for _ in range(5)]
+
+    @tf.function
+    def step(x):
+        h = tf.tanh(tf.matmul(x, ws[0]), name="h")
+        u = tf.tanh(tf.matmul(h, ws[1]), name="u")
+        q, k, v = (tf.matmul(u, w, name=name) for w, name in zip(ws[2:], "qkv"))
+        loss = tf.reduce_sum(tf.tanh(q) * tf.sin(k) * tf.cos(v))
+        with mock.patch.object(api, "plan_for_budget", proposed):
+            ours = memsaving.gradients(loss, ws, budget="1GiB", profile=False)
+        return ours, tf.gradients(loss, ws)
+
+    return step, tf.constant(rng.standard_normal((4, 16)).astype(np.float32))
+
+
+def test_an_inner_checkpoint_of_one_of_three_readers_gives_equal_gradients():
+    """u is an inner checkpoint of v's segment; k's and q's segments
+    recompute it themselves and pass their gradients through it."""
+    step, x = _three_readers_step({"v": ["u"]})
+    ours, plain = step(x)
+    assert_close([g.numpy() for g in plain], [g.numpy() for g in ours])
+
+
+def test_an_inner_checkpoint_given_to_several_anchors_is_refused():
+    """Built as given, u's sub-segment ran once per anchor, passing on the
+    gradient summed so far each time: the first two weights' gradients
+    were wrong."""
+    step, x = _three_readers_step({"q": ["u"], "k": ["u"], "v": ["u"]})
+    with pytest.raises(ValueError, match="two anchors"):
+        step.get_concrete_function(x)

@@ -6,7 +6,7 @@ import pytest
 from memsaving.planners.budget import plan_for_budget, select_for_budget
 from memsaving.planners.chain import chain
 from memsaving.errors import BudgetError
-from memsaving.model.graph import chain_model
+from memsaving.model.graph import GraphModel, OpInfo, TensorInfo, chain_model
 from memsaving.planners import nested
 from memsaving.planners.nested import nested_dp
 from memsaving.model.schedule import backward_units, kept_set, validate_inner
@@ -37,6 +37,39 @@ def test_inner_checkpoints_must_lie_inside_their_segment():
         validate_inner(model, kept, {8: (2,)})
     with pytest.raises(ValueError, match="anchor no segment"):
         validate_inner(model, kept, {7: (6,)})
+
+
+def _three_readers() -> GraphModel:
+    """x -> h -> u, and q, k, v each read u (as an attention's projections
+    read its layer norm), the loss reads all three."""
+    tensors = {0: TensorInfo("x", 100)}
+    ops = []
+    for name, inputs in [("h", (0,)), ("u", (1,)), ("q", (2,)), ("k", (2,)), ("v", (2,)), ("loss", (3, 4, 5))]:
+        out = len(ops) + 1
+        tensors[out] = TensorInfo(name, 100, len(ops))
+        ops.append(OpInfo(name, "Op", inputs, (out,), grad_reads=inputs))
+    return GraphModel(ops, tensors, xs=[0], ys=[6])
+
+
+def test_an_inner_checkpoint_belongs_to_one_anchor():
+    """u lies in the segments of q, k and v: listed for several, its
+    sub-segment would run once per anchor, each time passing on the
+    gradient summed so far (wrong gradients, seen in TensorFlow)."""
+    model = _three_readers()
+    kept = kept_set(model, [2, 3, 4])
+    validate_inner(model, kept, {4: (1,)})
+    with pytest.raises(ValueError, match="two anchors"):
+        validate_inner(model, kept, {2: (1,), 3: (1,), 4: (1,)})
+
+
+def test_inner_cuts_go_to_the_first_anchor_the_backward_pass_reaches():
+    model = _three_readers()
+    cuts = [[0], [1], [2, 3, 4]]
+    plan = nested._to_ops(model, cuts, [2], {2: [1]}, 0.0)  # pylint: disable=protected-access
+    assert plan.inner == {4: (1,)}
+    validate_inner(model, kept_set(model, plan.checkpoint_ops), plan.inner)
+    assert [(u.kind, u.anchor) for u in backward_units(model, kept_set(model, plan.checkpoint_ops), plan.inner)] == [
+        ("output", -1), ("advance", 4), ("segment", 4), ("segment", 1), ("segment", 3), ("segment", 2)]
 
 
 def test_recursion_lowers_the_simulated_peak_for_more_compute():
