@@ -274,9 +274,10 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
         by_name = {op.name: op for op in fwd.ops}
         emitters = [SplitEmitter(region, graph, plan_.batch_size or 1) for region in plan_.splits]
         by_name.update({emitter.name: emitter for emitter in emitters})
-        kept = {by_name[n] for n in plan_.kept_ops if n in by_name}
-        kept |= {t.op for emitter in emitters if emitter.name in plan_.kept_ops for t in emitter.outputs}
-        kept |= {by_name[n] for names in plan_.inner_checkpoints.values() for n in names}
+        # kept and inner checkpoints; a region's outputs are kept with it
+        named = set(plan_.kept_ops).union(*plan_.inner_checkpoints.values())
+        kept = {by_name[n] for n in named if n in by_name}
+        kept |= {t.op for emitter in emitters if emitter.name in named for t in emitter.outputs}
         steps = [(kind, by_name[anchor] if anchor else None, [by_name[n] for n in names])
                  for kind, anchor, names in plan_.steps]
         builder = BackwardBuilder(fwd, kept, steps, gradients_fn, options.gradient.passed, probe=probe,
