@@ -615,8 +615,8 @@ def _unsplit_plan(fwd, model, checkpoints, budget, options: Options, or_lowest: 
             "pass checkpoints=[tensors] as the candidates to choose from."
         )
     try:
-        # multi-level plans around recomputed split regions are not built right yet (gradients went
-        # missing): a model with regions gets single-level plans only
+        # a model with split regions gets single-level plans only: multi-level ones around its regions
+        # give equal gradients, but their peaks have not been measured against their predictions yet
         chosen = plan_for_budget(model, pool, budget_bytes, keep_x_gradients=keep_x, cut_bytes=cut_bytes,
                                  or_lowest=or_lowest, multilevel=not model.splits)
     except BudgetError:

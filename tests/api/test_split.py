@@ -373,11 +373,15 @@ def test_multilevel_plan_with_regions_as_inner_checkpoints_has_every_gradient(mo
     def multilevel(model, *args, **kwargs):
         return plan_for_budget(model, *args, **{**kwargs, "multilevel": True})
 
-    plan_for_budget = api.plan_for_budget
     plans = []
-    make_plan = api.make_plan
+
+    def recorded(*args, **kwargs):
+        plans.append(make_plan(*args, **kwargs))
+        return plans[-1]
+
+    plan_for_budget, make_plan = api.plan_for_budget, api.make_plan
     monkeypatch.setattr(api, "plan_for_budget", multilevel)
-    monkeypatch.setattr(api, "make_plan", lambda *args, **kwargs: plans.append(make_plan(*args, **kwargs)) or plans[-1])
+    monkeypatch.setattr(api, "make_plan", recorded)
     _compare(*_lowest_split_of_a_gpt_in_a_calibration())
     inner_regions = [name for plan in plans for names in plan.inner_checkpoints.values() for name in names
                      if name.startswith("split/")]

@@ -67,8 +67,9 @@ def test_inner_cuts_go_to_the_first_anchor_the_backward_pass_reaches():
     cuts = [[0], [1], [2, 3, 4]]
     plan = nested._to_ops(model, cuts, [2], {2: [1]}, 0.0)  # pylint: disable=protected-access
     assert plan.inner == {4: (1,)}
-    validate_inner(model, kept_set(model, plan.checkpoint_ops), plan.inner)
-    assert [(u.kind, u.anchor) for u in backward_units(model, kept_set(model, plan.checkpoint_ops), plan.inner)] == [
+    kept = kept_set(model, plan.checkpoint_ops)
+    validate_inner(model, kept, plan.inner)
+    assert [(u.kind, u.anchor) for u in backward_units(model, kept, plan.inner)] == [
         ("output", -1), ("advance", 4), ("segment", 4), ("segment", 1), ("segment", 3), ("segment", 2)]
 
 
