@@ -172,6 +172,10 @@ class _Recipe:
     variables: Dict[int, Tuple[tf.DType, Tuple[int, ...]]]  # arg index -> value dtype, shape
     num_outputs: int
     key: str = ""
+    # a function call's Python gradient (tf.function's delayed rewrite): an
+    # imported copy of the call has none, and tf.gradients would build a
+    # SymbolicGradient that cannot run on functions that carry their own
+    gradient_function: Optional[Callable] = None
 
 
 class _Unprofilable(Exception):
@@ -387,7 +391,8 @@ def op_recipe(op: tf.Operation, batch_size: int = 1) -> Optional[_Recipe]:
     except (_Unprofilable, ValueError, TypeError, KeyError) as err:
         logger.debug("memsaving profiles: %s not profiled: %s", op.name, err)
         return None
-    recipe = _Recipe(graph_def, builder.args, builder.variables, len(op.outputs))
+    gradient_function = getattr(op, "_gradient_function", None) if op.type in FUNCTIONAL_OPS else None
+    recipe = _Recipe(graph_def, builder.args, builder.variables, len(op.outputs), gradient_function=gradient_function)
     digest = hashlib.sha256()  # the nodes; functions enter by their fingerprints (names)
     for node in graph_def.node:
         digest.update(node.SerializeToString(deterministic=True))
@@ -610,7 +615,10 @@ class _Measurement:
             values = iter(values)
             feeds = {f"in{i}:0": (_captured(handles[i]) if i in handles else next(values))
                      for i in range(len(inputs))}
-            return _import(one, feeds, ["target"])[0]
+            op = _import(one, feeds, ["target"])[0]
+            if self.recipe.gradient_function is not None:
+                op._gradient_function = self.recipe.gradient_function  # pylint: disable=protected-access
+            return op
 
         @tf.function(autograph=False)
         def forward(*values):

@@ -157,8 +157,9 @@ class BackwardBuilder:
         boundary = self._boundary(ops)
         if not boundary:
             return
-        results = self._differentiate(
-            ops, inner, boundary, grad_ys=inner_grads, stop_gradients=boundary + _outside_inputs(ops, boundary))
+        stops = stop_before_function_calls(ops, boundary + _outside_inputs(ops, boundary))
+        results = self._differentiate(ops, inner, [stops.get(t, t) for t in boundary], grad_ys=inner_grads,
+                                      stop_gradients=[stops.get(t, t) for t in stops.originals])
         for t, g in zip(boundary, results):
             self.grads.add(t, g)
         self.previous_results = [g for g in results if g is not None]
@@ -229,7 +230,9 @@ class BackwardBuilder:
                 inputs.append(t)
         if not inputs:
             return
-        results = self._differentiate([op], outs, inputs, grad_ys=out_grads, stop_gradients=inputs)
+        stops = stop_before_function_calls([op], inputs)
+        readers = [stops.get(t, t) for t in inputs]
+        results = self._differentiate([op], outs, readers, grad_ys=out_grads, stop_gradients=readers)
         for t, g in zip(inputs, results):
             self.grads.add(t, g)
         self._unit_results(results, waited=False)
@@ -448,6 +451,51 @@ def _outside_inputs(ops: Sequence[tf.Operation], boundary: list) -> list:
                 seen.add(t)
                 outside.append(t)
     return outside
+
+
+FUNCTION_CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+"""Ops that call a graph function (Keras runs grouped convolutions through one)."""
+
+
+class StopTensors(object_identity.ObjectIdentityDictionary):
+    """The tensors a ``tf.gradients`` call stops at (``originals``, in order),
+    mapped to the Identity that stands for them where they need one."""
+
+    def __init__(self, originals: Sequence[tf.Tensor]):
+        super().__init__()
+        self.originals = list(originals)
+
+
+def _calls_a_function(op: tf.Operation) -> bool:
+    return op.type in FUNCTION_CALLS or op.graph._is_function(op.type)  # pylint: disable=protected-access
+
+
+def stop_before_function_calls(ops: Sequence[tf.Operation], stops: Sequence[tf.Tensor]) -> StopTensors:
+    """Put an Identity between each of ``stops`` made by a function call and
+    its readers among ``ops`` (forward ops differentiated in place).
+
+    ``tf.gradients`` never calls the gradient function of an op it stops at,
+    but for a function call it then builds a ``SymbolicGradient`` instead and
+    adds its results to the call's inputs' gradients.  That op cannot run
+    on a function that carries its own gradient (Keras' grouped convolution
+    on CPU, a nested ``tf.function(jit_compile=True)``: "NotFoundError ...
+    SymbolicGradient"), and were it to run, it would count the call's
+    gradient twice: once here and once in the unit that owns the call.
+    Stopping at an Identity reading the call's output stops the walk there;
+    the Identity forwards the buffer (nothing is copied) and Grappler removes
+    it."""
+    result = StopTensors(stops)
+    for t in stops:
+        if t in result or not _calls_a_function(t.op):
+            continue
+        with tf.device(t.op.device), tf.control_dependencies(None):
+            stand_in = tf.identity(t, name=f"{t.op.name.split('/')[-1]}_stop")
+        for op in ops:
+            for index, value in enumerate(op.inputs):
+                if value is t:
+                    op._update_input(index, stand_in)  # pylint: disable=protected-access
+        result[t] = stand_in
+    return result
 
 
 def _seed(y: tf.Tensor) -> tf.Tensor:
