@@ -26,6 +26,7 @@ from memsaving.errors import (  # noqa: E402
     CheckpointError,
     MemsavingError,
     PeakMemoryUnavailableError,
+    PlanWarning,
     UnsupportedGraphError,
 )
 
@@ -77,6 +78,7 @@ __all__ = [
     "CheckpointError",
     "MemsavingError",
     "PeakMemoryUnavailableError",
+    "PlanWarning",
     "UnsupportedGraphError",
     "checkpoint",
     "clear_plan_cache",

@@ -22,7 +22,7 @@ from memsaving.candidates import cuts as candidates
 from memsaving.planners.budget import format_bytes, parse_bytes, plan_for_budget
 from memsaving.tf.checkpoints import Checkpoints, resolve_checkpoints
 from memsaving.planners.modes import memory_proposal, speed_proposal
-from memsaving.errors import BudgetError, CheckpointError, feasible_budget
+from memsaving.errors import BudgetError, CheckpointError, PlanWarning, feasible_budget
 from memsaving import fit_budget as _calibration
 from memsaving.tf.extract import graph_model
 from memsaving.tf.forward import forward_graph, ops_made_in
@@ -271,6 +271,8 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
         fwd, plan_, model = _plan(ys, xs, checkpoints, budget, options,
                                   seeded_with_ones=all(g is None for g in grad_ys))
         _calibration.record_plan(plan_)  # memsaving.fit_to_budget collects the plans of the step it traces
+        if plan_.above_plain:
+            warnings.warn(plan_.above_plain_advice(), PlanWarning, stacklevel=3)
         by_name = {op.name: op for op in fwd.ops}
         emitters = [SplitEmitter(region, graph, plan_.batch_size or 1) for region in plan_.splits]
         by_name.update({emitter.name: emitter for emitter in emitters})

@@ -42,6 +42,12 @@ class PeakMemoryUnavailableError(MemsavingError, RuntimeError):
     """The allocator does not report peak memory in this process."""
 
 
+class PlanWarning(UserWarning):
+    """A plan that will run but works against the user: predicted above
+    plain ``tf.gradients``' peak (``warnings.simplefilter("error",
+    memsaving.PlanWarning)`` turns it into an error)."""
+
+
 class BudgetError(MemsavingError, ValueError):
     """No plan fits the memory budget; the message gives the smallest feasible one."""
 

@@ -210,6 +210,30 @@ def backward_units(model: GraphModel, kept: Set[int], inner: Optional[Inner] = N
     return units
 
 
+def plain_units(model: GraphModel) -> List[Unit]:
+    """The backward pass of plain ``tf.gradients``: one unit differentiating
+    every forward op in place, nothing recomputed.
+
+    :func:`backward_units` with no checkpoints is not that: ops that cannot
+    be recomputed (stateful calls, random draws) are always kept, so the
+    ops between them become segments, as the rewrite runs them.  Plain
+    backprop holds every activation its gradient reads instead; on a net
+    with a stateful call in each block (Keras' grouped convolutions) that
+    is several times what the segments hold.
+
+    Examples
+    --------
+    >>> from memsaving.model.graph import chain_model
+    >>> [(unit.kind.value, unit.ops) for unit in plain_units(chain_model([4, 4, 4]))]
+    [('output', (0, 1, 2))]
+    """
+    feeders = model.derived("forward feeders", lambda: _forward_feeders(model))
+    xs = set(model.xs)
+    ys = [model.tensors[y].producer for y in model.ys
+          if y not in xs and model.tensors[y].producer >= 0 and model.ops[model.tensors[y].producer].forward]
+    return [Unit(UnitKind.OUTPUT, -1, _closure(feeders, ys, set()))] if ys else []
+
+
 def _segment_units(anchor: int, kept: Set[int], inner: Inner, inplace: bool, feeders: List[Tuple[int, ...]],
                    segments: "_Segments") -> List[Unit]:
     """The units of ``anchor``'s segment: the segment, or with inner

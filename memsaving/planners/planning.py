@@ -32,6 +32,16 @@ class Segment:
     recompute_cost: float  # FLOPs recomputed
 
 
+ABOVE_PLAIN_TOLERANCE = 0.02
+"""Fraction of plain backprop's step memory (its peak above the resident
+bytes) a plan may be predicted above plain's peak before
+:attr:`Plan.above_plain` says so: a segment's proxies and the order edges
+move a prediction by a few small buffers."""
+
+ABOVE_PLAIN_MIN_BYTES = 64 * 1024
+"""...and at least this many bytes, so tiny graphs do not warn about noise."""
+
+
 @dataclass
 class Plan:
     """What memsaving will do for one gradient computation.
@@ -138,6 +148,28 @@ class Plan:
     device's predicted peak and step time (:mod:`memsaving.sim.offload`).
     ``predicted_peak`` stays the plan's peak with the variables on the
     device."""
+
+    @property
+    def above_plain(self) -> bool:
+        """Whether the plan is predicted to peak above plain ``tf.gradients``
+        by more than :data:`ABOVE_PLAIN_TOLERANCE` of plain's step memory.
+
+        Keeping a tensor that plain backprop frees early raises the peak:
+        ``checkpoints="speed"`` keeps convolution outputs, which plain
+        backprop frees after the activation reads them (the convolution's
+        gradient reads its input); a user's list can do the same.  Such a
+        plan costs memory *and* recomputation."""
+        step = max(self.plain_peak - self.resident_bytes, 0)
+        return self.predicted_peak > self.plain_peak + max(ABOVE_PLAIN_TOLERANCE * step, ABOVE_PLAIN_MIN_BYTES)
+
+    def above_plain_advice(self) -> str:
+        """The warning for a plan :attr:`above_plain`: the figures and what to do."""
+        mib = 2 ** 20
+        return (f"memsaving: this plan (mode {self.mode!r}) is predicted to peak at "
+                f"{self.predicted_peak / mib:.1f} MiB, above plain tf.gradients' {self.plain_peak / mib:.1f} MiB "
+                f"({self.predicted_peak / max(self.plain_peak, 1):.2f}x): it keeps tensors plain backprop frees "
+                "early. Use checkpoints='memory' or budget= instead, or print the plan (memsaving.plan(...)"
+                ".explain()) to see what it keeps.")
 
     def explain(self, file: Optional[TextIO] = None) -> str:
         """Print a readable table of the plan (to ``file``, default stdout) and return it."""
@@ -246,7 +278,7 @@ def make_plan(
                    inplace=inplace)
     # plain tf.gradients runs the regions whole: its figures come from the model before folding
     unsplit = model.unfolded or model
-    plain = simulate(unsplit, keep_x_gradients=keep_x_gradients, cost=cost, unpinned=True)
+    plain = simulate(unsplit, keep_x_gradients=keep_x_gradients, cost=cost, unpinned=True, plain=True)
     compute = sim.compute_ratio
     if unsplit is not model:
         compute = (sim.forward_cost + sim.backward_cost + sim.recompute_cost) / (

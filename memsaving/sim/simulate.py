@@ -28,7 +28,7 @@ from memsaving.sim.blocks import RECOMPUTED_LABELS
 from memsaving.model.buffers import Action, BufferRows, Key, memory_replay, replay_rows
 from memsaving.sim.executor import unpinned_orders
 from memsaving.model.graph import GraphModel, gradient_sinks
-from memsaving.model.schedule import Inner, Unit, backward_units, kept_set
+from memsaving.model.schedule import Inner, Unit, backward_units, kept_set, plain_units
 from memsaving.sim.swap import CostModel, add_swaps, timed_replay
 
 
@@ -81,6 +81,7 @@ def simulate(
     cost: Optional[CostModel] = None,
     inplace: Optional[bool] = None,
     unpinned: bool = False,
+    plain: bool = False,
 ) -> Simulation:
     """Replay the gradient computation that keeps ``checkpoint_ops``.
 
@@ -116,17 +117,25 @@ def simulate(
         actions in the orders :func:`memsaving.sim.executor.unpinned_orders`
         gives instead of the order they were written in, and score the one
         of median peak.
+    plain
+        score plain ``tf.gradients`` (:func:`memsaving.model.schedule.plain_units`):
+        nothing recomputed, not even between the ops the rewrite always
+        keeps; ``checkpoint_ops``, ``kept``, ``inner`` and ``swapped`` must
+        be left empty.
     """
+    if plain and (kept or inner or swapped or list(checkpoint_ops)):
+        raise ValueError("simulate(plain=True) scores tf.gradients itself: pass no checkpoints, kept ops, "
+                         "inner checkpoints or swaps")
     if kept is None:
         kept = kept_set(model, checkpoint_ops)
     swapped = frozenset(swapped)
     key = (frozenset(kept), tuple(sorted((a, tuple(v)) for a, v in (inner or {}).items() if v)),
-           keep_x_gradients, swapped, cost, inplace, unpinned)
+           keep_x_gradients, swapped, cost, inplace, unpinned, plain)
     done = model.derived("simulations", dict)
     if key not in done:
         if len(done) >= _REMEMBERED:
             del done[next(iter(done))]  # the oldest
-        done[key] = _replay(model, kept, keep_x_gradients, inner, swapped, cost, inplace, unpinned)
+        done[key] = _replay(model, kept, keep_x_gradients, inner, swapped, cost, inplace, unpinned, plain)
     return done[key]
 
 
@@ -163,10 +172,10 @@ chosen plan again), and a model never changes, so a plan is replayed once."""
 
 def _replay(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: Optional[Inner],
             swapped: FrozenSet[int], cost: Optional[CostModel], inplace: Optional[bool],
-            unpinned: bool) -> Simulation:
+            unpinned: bool, plain: bool = False) -> Simulation:
     """The replay behind :func:`simulate`, run once per model and plan."""
     with collector_paused():
-        return _replayed(model, kept, keep_x_gradients, inner, swapped, cost, inplace, unpinned)
+        return _replayed(model, kept, keep_x_gradients, inner, swapped, cost, inplace, unpinned, plain)
 
 
 @contextmanager
@@ -193,9 +202,12 @@ def collector_paused() -> Iterator[None]:
 
 def _replayed(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: Optional[Inner],
               swapped: FrozenSet[int], cost: Optional[CostModel], inplace: Optional[bool],
-              unpinned: bool) -> Simulation:
+              unpinned: bool, plain: bool = False) -> Simulation:
     """:func:`_replay`'s work."""
-    units = backward_units(model, kept, inner, inplace=bool(swapped) if inplace is None else inplace)
+    if plain:
+        units = plain_units(model)
+    else:
+        units = backward_units(model, kept, inner, inplace=bool(swapped) if inplace is None else inplace)
     pinned = {("g", x) for x in gradient_sinks(model)} if keep_x_gradients else set()
     reordered = unpinned and model.ready_gradients_early and not swapped
     # the blocks of the units earlier plans ran in the same state, and their rows, are reused
