@@ -1,0 +1,418 @@
+"""Does a budget hold under a hard memory limit, from the first step on?
+
+A user names a budget because that is the memory they have; on a device a
+step that goes over is an out-of-memory error, not "1.3x over".  TensorFlow
+enforces the same on CPU: ``TF_CPU_BFC_MEM_LIMIT_IN_MB=N``, set before it
+starts, caps the CPU allocator at N MiB, and an allocation past it raises
+``ResourceExhaustedError`` or ends the process.  This benchmark trains each
+model under that cap, set to the budget, through every route a user takes,
+each in a Python process of its own, with TensorFlow's default threads:
+
+* ``plain``: plain ``tf.gradients`` steps under the cap: must fail (else the
+  budget saves nothing);
+* ``memory``, ``budget`` (no cap): the peaks of ``checkpoints="memory"`` and
+  of ``budget=`` plans, measured (the highest of several runs) beside their
+  predictions, with the run-to-run spread and the predicted recompute cost;
+* ``fit`` (cap): ``memsaving.fit_to_budget`` then training steps up to 20 in all;
+* ``keras`` (cap): ``memsaving.keras.enable(model, budget=...)`` then
+  ``fit`` for 20 steps;
+* ``alone`` (cap): a step with ``memsaving.gradients(..., budget=...)``
+  alone, 20 steps.
+
+Every step is a training step: mean squared error against zeros, gradients,
+an Adam update.  Budgets are ``resident + f x (plain peak - resident)``
+for ``f`` in ``--fractions`` (0.3, 0.5, 0.7): resident is what the
+allocator holds before the step (weights, Adam's slots, the batch), the
+plain peak the highest of the plain step's measured runs (no cap).  A
+budget is *feasible* when memory mode measures under it; an infeasible
+budget must get a ``BudgetError`` before any step runs (the optimizer's
+step counter says how many ran).
+
+    python -m experiments.bench_hard_limit                        # every model: about 2 hours on 2 cores
+    python -m experiments.bench_hard_limit --models mlp,densenet --fractions 0.5
+    python -m experiments.bench_hard_limit --quick --out /tmp/hl   # smaller models: a smoke run
+
+Results: ``experiments/results/hard_limit.md`` and ``.csv`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+MIB = 2 ** 20
+FRACTIONS = (0.3, 0.5, 0.7)
+STEPS = 20
+RUNS = 5
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+NAME = "hard_limit"
+CAPPED_ROUTES = ("plain", "fit", "keras", "alone")
+
+
+# ------------------------------------------------------------------------------------- in the worker
+
+
+def _worker(route: str, name: str, quick: bool, budget: Optional[int]) -> dict:
+    """One route of one model in this process; returns what the parent records."""
+    import memsaving  # noqa: F401  (before TensorFlow: the allocator's statistics)
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from experiments.hard_limit_models import build
+
+    case = build(name, quick)
+    if case is None:
+        return {"skipped": "keras_hub is not installed"}
+    model, variables = case.model, case.model.trainable_variables
+
+    def loss_of(inputs, targets):
+        predictions = model(inputs, training=True)
+        return tf.reduce_mean(tf.square(tf.cast(predictions, tf.float32) - tf.cast(targets, tf.float32)))
+
+    if route == "keras":
+        return _keras_route(case, budget)
+    optimizer = keras.optimizers.Adam(1e-3)
+    optimizer.build(variables)
+    captured: dict = {}
+
+    def body_for(mode):
+        def body(inputs, targets):
+            loss = loss_of(inputs, targets)
+            if mode == "plain":
+                captured["plan"] = memsaving.plan(loss, variables, checkpoints=[], batch_size=case.batch)
+                grads = tf.gradients(loss, variables)
+            elif mode == "memory":
+                grads, captured["plan"] = memsaving.gradients_and_plan(loss, variables, checkpoints="memory",
+                                                                       batch_size=case.batch)
+            else:
+                grads, captured["plan"] = memsaving.gradients_and_plan(loss, variables, budget=budget,
+                                                                       batch_size=case.batch)
+            optimizer.apply_gradients(zip(grads, variables))
+            return loss
+        return body
+
+    args = (case.inputs, case.targets)
+    from memsaving.tf.measure import bytes_in_use
+
+    result: dict = {"resident": int(bytes_in_use())}
+    if route == "probe":
+        return _probe(body_for, args, captured, result)
+    if route == "budget":
+        return _measured_route(tf.function(body_for("budget")), args, captured, result)
+    if route == "plain":
+        return _run_steps(tf.function(body_for("plain")), args, optimizer, result, STEPS)
+    if route == "alone":
+        return _run_steps(tf.function(body_for("budget")), args, optimizer, result, STEPS)
+    if route == "fit":
+        start = time.perf_counter()
+        try:
+            step = memsaving.fit_to_budget(body_for("budget"), *args, budget=budget)
+        except memsaving.BudgetError as error:
+            result.update(error="BudgetError", message=str(error).splitlines()[0][:300],
+                          steps_before_error=int(optimizer.iterations.numpy()))
+            return result
+        except tf.errors.ResourceExhaustedError as error:
+            result.update(error="ResourceExhaustedError", message=str(error).splitlines()[0][:300],
+                          steps_before_error=int(optimizer.iterations.numpy()))
+            return result
+        result["calibration_seconds"] = time.perf_counter() - start
+        calibration = getattr(step, "calibration", None)
+        result["rounds"] = len(calibration.rounds) if calibration is not None else None
+        left = max(STEPS - int(optimizer.iterations.numpy()), 0)
+        return _run_steps(step, args, optimizer, result, left, traced=True)
+    raise ValueError(f"unknown route {route!r}")
+
+
+def _probe(body_for, args, captured, result) -> dict:
+    """Plain and memory-mode steps, no cap: peaks, predictions, step time."""
+    import memsaving
+    import tensorflow as tf
+
+    for mode in ("plain", "memory"):
+        step = tf.function(body_for(mode))
+        step(*args)  # trace, plan, warm up
+        peaks = [memsaving.measure_peak(step, *args) for _ in range(RUNS)]
+        plan = captured["plan"]
+        times = []
+        for _ in range(RUNS):
+            start = time.perf_counter()
+            step(*args).numpy()
+            times.append(time.perf_counter() - start)
+        result[mode] = {"peaks": peaks, "predicted": plan.plain_peak if mode == "plain" else plan.predicted_peak,
+                        "resident": plan.resident_bytes, "compute": plan.predicted_compute,
+                        "seconds": statistics.median(times)}
+    return result
+
+
+def _measured_route(step, args, captured, result) -> dict:
+    """A ``budget=`` step, no cap: its peaks over several runs, its prediction and cost."""
+    import memsaving
+    import tensorflow as tf
+
+    try:
+        step(*args)
+    except memsaving.BudgetError as error:
+        result.update(error="BudgetError", message=str(error).splitlines()[-1][:300])
+        return result
+    plan = captured["plan"]
+    peaks = [memsaving.measure_peak(step, *args) for _ in range(RUNS)]
+    times = []
+    for _ in range(RUNS):
+        start = time.perf_counter()
+        step(*args).numpy()
+        times.append(time.perf_counter() - start)
+    result.update(peaks=peaks, predicted=plan.predicted_peak, planned_resident=plan.resident_bytes,
+                  compute=plan.predicted_compute, seconds=statistics.median(times), mode=plan.mode)
+    return result
+
+
+def _run_steps(step, args, optimizer, result, steps: int, traced: bool = False) -> dict:
+    """Run ``steps`` training steps; the allocator's peak over them, or the error that stopped them."""
+    import memsaving
+    import tensorflow as tf
+
+    done_before = int(optimizer.iterations.numpy())
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    try:
+        for _ in range(steps):
+            step(*args).numpy()
+    except memsaving.BudgetError as error:
+        result.update(error="BudgetError", message=str(error).splitlines()[-1][:300])
+    except tf.errors.ResourceExhaustedError as error:
+        result.update(error="ResourceExhaustedError", message=str(error).splitlines()[0][:300])
+    result["steps"] = int(optimizer.iterations.numpy())
+    result["steps_before_error"] = result["steps"] if "error" in result else None
+    result["peak"] = int(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+    result["completed"] = "error" not in result and result["steps"] >= done_before + steps
+    return result
+
+
+def _keras_route(case, budget: int) -> dict:
+    """``memsaving.keras.enable(model, budget=...)`` and ``fit`` for 20 steps."""
+    import keras
+    import memsaving
+    import memsaving.keras  # noqa: F401
+    import tensorflow as tf
+
+    model = case.model
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    memsaving.keras.enable(model, budget=budget, verbose=False)
+    data = tf.data.Dataset.from_tensors((case.inputs, case.targets)).repeat(STEPS)
+    result: dict = {}
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    start = time.perf_counter()
+    try:
+        model.fit(data, epochs=1, verbose=0)
+    except memsaving.BudgetError as error:
+        result.update(error="BudgetError", message=str(error).splitlines()[0][:300])
+    except tf.errors.ResourceExhaustedError as error:
+        result.update(error="ResourceExhaustedError", message=str(error).splitlines()[0][:300])
+    result["seconds"] = time.perf_counter() - start
+    result["steps"] = int(model.optimizer.iterations.numpy()) if model.optimizer.built else 0
+    result["steps_before_error"] = result["steps"] if "error" in result else None
+    result["peak"] = int(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+    result["completed"] = "error" not in result and result["steps"] >= STEPS
+    calibration = memsaving.keras.calibration_of(model)
+    result["rounds"] = len(calibration.rounds) if calibration is not None else None
+    return result
+
+
+# ------------------------------------------------------------------------------------- in the parent
+
+
+def run_worker(route: str, name: str, quick: bool, budget: Optional[int] = None, cap: Optional[int] = None,
+               timeout: int = 900) -> dict:
+    """One route in a process of its own; ``cap`` (bytes) sets TF_CPU_BFC_MEM_LIMIT_IN_MB."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    if cap is not None:
+        env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(max(cap // MIB, 1))
+    command = [sys.executable, "-m", "experiments.bench_hard_limit", "--worker", route, "--models", name,
+               "--budget", str(budget or 0)] + (["--quick"] if quick else [])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"crashed": f"timed out after {timeout} s"}
+    wall = time.perf_counter() - start
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        tail = (done.stderr or "").strip().splitlines()[-3:]
+        how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
+        return {"crashed": f"{how}: {' | '.join(tail)[:300]}", "wall": wall}
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["wall"] = wall
+    return result
+
+
+@dataclass
+class CaseResult:
+    model: str
+    fraction: float
+    budget: int
+    resident: int
+    plain_peak: int
+    memory_peak: int
+    routes: Dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def feasible(self) -> bool:
+        return self.memory_peak <= self.budget
+
+
+def failed(outcome: dict) -> bool:
+    """The route did not complete (error or crash)."""
+    return bool(outcome.get("crashed") or outcome.get("error")) or not outcome.get("completed", False)
+
+
+def refused_before_running(outcome: dict) -> bool:
+    return outcome.get("error") == "BudgetError" and not outcome.get("steps_before_error")
+
+
+def _mib(n) -> str:
+    return "-" if n is None else f"{n / MIB:.1f}"
+
+
+def _verdict(outcome: dict) -> str:
+    if "crashed" in outcome:
+        return "CRASH"
+    if outcome.get("error") == "BudgetError":
+        return "refused" if not outcome.get("steps_before_error") else f"BudgetError after {outcome['steps_before_error']}"
+    if outcome.get("error"):
+        return "OOM"
+    return "ok" if outcome.get("completed") else "incomplete"
+
+
+def sweep_model(name: str, quick: bool, fractions, progress) -> List[CaseResult]:
+    probe = run_worker("probe", name, quick)
+    if "skipped" in probe or "crashed" in probe:
+        progress(f"{name}: {probe.get('skipped') or probe.get('crashed')}")
+        return []
+    resident = probe["resident"]
+    plain_peak = max(probe["plain"]["peaks"])
+    memory_peak = max(probe["memory"]["peaks"])
+    progress(f"{name}: resident {_mib(resident)} MiB, plain {_mib(plain_peak)} (predicted "
+             f"{_mib(probe['plain']['predicted'])}), memory {_mib(memory_peak)} (predicted "
+             f"{_mib(probe['memory']['predicted'])}), plain step {probe['plain']['seconds']:.3f} s")
+    results = []
+    for fraction in fractions:
+        budget = int(resident + fraction * (plain_peak - resident))
+        case = CaseResult(name, fraction, budget, resident, plain_peak, memory_peak)
+        case.routes["probe"] = probe
+        case.routes["budget"] = run_worker("budget", name, quick, budget)
+        for route in CAPPED_ROUTES:
+            case.routes[route] = run_worker(route, name, quick, budget, cap=budget)
+        progress(f"{name} {fraction}: budget {_mib(budget)} MiB, feasible {case.feasible}; "
+                 + ", ".join(f"{route} {_verdict(case.routes[route])}" for route in CAPPED_ROUTES)
+                 + f"; budget plan {_mib(max(case.routes['budget'].get('peaks', [0])) or None)} MiB")
+        results.append(case)
+    return results
+
+
+COLUMNS = ["model", "f", "budget MiB", "feasible", "plain (cap)", "memory MiB", "budget plan MiB",
+           "predicted MiB", "plan/budget", "spread %", "compute (memory)", "fit (cap)", "keras (cap)",
+           "alone (cap)", "calibration / plain steps"]
+
+
+def row(case: CaseResult) -> list:
+    plan = case.routes["budget"]
+    peaks = plan.get("peaks")
+    probe = case.routes["probe"]
+    fit = case.routes["fit"]
+    spread = (max(peaks) - min(peaks)) / max(peaks) * 100 if peaks else None
+    calibration = fit.get("calibration_seconds")
+    plain_seconds = probe["plain"]["seconds"]
+    return [case.model, case.fraction, _mib(case.budget), "yes" if case.feasible else "no",
+            _verdict(case.routes["plain"]), _mib(case.memory_peak),
+            _mib(max(peaks)) if peaks else ("refused" if plan.get("error") else "-"),
+            _mib(plan.get("predicted")), f"{max(peaks) / case.budget:.3f}" if peaks else "-",
+            f"{spread:.1f}" if spread is not None else "-",
+            (f"{plan['compute']:.2f} ({probe['memory']['compute']:.2f})" if peaks else "-"),
+            _verdict(fit), _verdict(case.routes["keras"]), _verdict(case.routes["alone"]),
+            f"{calibration / plain_seconds:.0f}" if calibration is not None else "-"]
+
+
+def summary(cases: List[CaseResult]) -> List[str]:
+    feasible = [c for c in cases if c.feasible]
+    infeasible = [c for c in cases if not c.feasible]
+    lines = [f"{len(cases)} cases, {len(feasible)} feasible (memory mode measures under the budget)."]
+
+    def share(items, test) -> str:
+        return f"{sum(1 for c in items if test(c))} of {len(items)}"
+
+    lines.append("plain fails under the cap: " + share(cases, lambda c: failed(c.routes["plain"])))
+    for route in ("fit", "keras", "alone"):
+        lines.append(f"{route}: 20 steps under the cap in " + share(feasible, lambda c: not failed(c.routes[route]))
+                     + " feasible cases; refused before any step in "
+                     + share(infeasible, lambda c: refused_before_running(c.routes[route])) + " infeasible ones")
+    used = [max(c.routes["budget"]["peaks"]) / c.budget for c in feasible if c.routes["budget"].get("peaks")]
+    if used:
+        lines.append(f"budget= plans measured at {statistics.median(used):.3f}x their budget (median), "
+                     f"{min(used):.3f}-{max(used):.3f}x")
+    spreads = [(max(p) - min(p)) / max(p) * 100 for c in cases for p in [c.routes["budget"].get("peaks")] if p]
+    if spreads:
+        lines.append(f"run-to-run spread of budget plans: median {statistics.median(spreads):.2f}%, "
+                     f"largest {max(spreads):.2f}%")
+    ratios = [c.routes["fit"]["calibration_seconds"] / c.routes["probe"]["plain"]["seconds"] for c in cases
+              if c.routes["fit"].get("calibration_seconds")]
+    if ratios:
+        lines.append(f"fit_to_budget calibration: median {statistics.median(ratios):.0f} plain steps "
+                     f"({min(ratios):.0f}-{max(ratios):.0f})")
+    return lines
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=None, help="comma-separated (default: all)")
+    parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
+    parser.add_argument("--quick", action="store_true", help="smaller models: a smoke run")
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print("RESULT " + json.dumps(_worker(args.worker, args.models, args.quick, args.budget or None)), flush=True)
+        return
+    from experiments.hard_limit_models import FAMILIES  # pylint: disable=import-outside-toplevel
+
+    names = args.models.split(",") if args.models else list(FAMILIES)
+    unknown = sorted(set(names) - set(FAMILIES))
+    if unknown:
+        parser.error(f"unknown models {unknown}; choose from {sorted(FAMILIES)}")
+    fractions = [float(f) for f in args.fractions.split(",")]
+    start = time.perf_counter()
+    cases: List[CaseResult] = []
+
+    def progress(message: str) -> None:
+        print(f"[{time.perf_counter() - start:7.0f} s] {message}", flush=True)
+
+    for name in names:
+        cases.extend(sweep_model(name, args.quick, fractions, progress))
+    write(cases, args.out)
+
+
+def write(cases: List[CaseResult], out: str) -> None:
+    from experiments.report import Table  # pylint: disable=import-outside-toplevel
+
+    table = Table(NAME, "Budgets under a hard memory limit (TF_CPU_BFC_MEM_LIMIT_IN_MB = budget)", COLUMNS)
+    for case in cases:
+        table.add(*row(case))
+    table.notes.extend(summary(cases))
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{NAME}.md"), "w", encoding="utf-8") as file:
+        file.write(table.markdown())
+    with open(os.path.join(out, f"{NAME}.json"), "w", encoding="utf-8") as file:
+        json.dump([case.__dict__ for case in cases], file, indent=1, default=str)
+    print(table.markdown())
+
+
+if __name__ == "__main__":
+    main()
