@@ -25,7 +25,7 @@ from memsaving.planners.modes import memory_proposal, speed_proposal
 from memsaving.errors import BudgetError, CheckpointError, PlanWarning, feasible_budget
 from memsaving import fit_budget as _calibration
 from memsaving.tf.extract import graph_model
-from memsaving.tf.forward import forward_graph, ops_made_in
+from memsaving.tf.forward import forward_graph, is_tensor_like, ops_made_in
 from memsaving.tf.measure import bytes_in_use
 from memsaving.planners.cache import model_key, remember, remembered
 from memsaving.planners.planning import Plan, make_plan
@@ -73,7 +73,7 @@ def _as_list(value) -> list:
 
 def _check_tensors(values: list, what: str) -> None:
     for value in values:
-        if not isinstance(value, (tf.Tensor, tf.Variable)) and not resource_variable_ops.is_resource_variable(value):
+        if not is_tensor_like(value):
             raise TypeError(
                 f"memsaving.gradients: {what} must be tf.Tensor or tf.Variable objects "
                 f"(or a list of them), got {type(value).__name__}: {value!r:.80}"
@@ -396,24 +396,22 @@ def _captured_in(x, graph):
 
 
 def _swapped(swap, fwd, model, chosen, inner=None) -> list:
-    """Tensor ids of ``model`` to swap for the ``swap=`` argument."""
+    """Tensor ids of ``model`` to swap for the ``swap=`` argument (checked
+    by :mod:`memsaving.options`: off, True, or tensors)."""
     if swap is None or swap is False:
         return []
     possible = swap_candidates(model, kept_set(model, chosen), inner)
     if swap is True:
         return possible
-    if isinstance(swap, str):
-        raise ValueError(f"swap={swap!r} is not supported: use swap=True (every tensor the backward pass "
-                         "reads from the forward pass), swap='auto' (with budget=) or a list of tensors")
     ids = {info.name: t for t, info in model.tensors.items()}
     wanted = []
     for tensor in _as_list(swap):
-        name = getattr(tensor, "name", None)
+        name = tensor.name
         if name not in ids or ids[name] not in possible:
             raise CheckpointError(
-                f"cannot swap {name or tensor!r}: only tensors the backward pass reads from the forward "
-                "pass can be swapped (checkpoints, and inputs of ops differentiated in place); "
-                "recomputed tensors never stay on the device between the two passes"
+                f"cannot swap {name!r}: only tensors of numbers the backward pass reads from the forward "
+                "pass can be swapped (checkpoints, and inputs of ops differentiated in place; not a loop's "
+                "TensorLists); recomputed tensors never stay on the device between the two passes"
             )
         wanted.append(ids[name])
     return wanted
@@ -456,8 +454,11 @@ def _hybrid_plan(model, fwd, checkpoints, budget, options: Options, or_lowest: b
 
 def check_checkpoints_argument(checkpoints) -> None:
     """``checkpoints=None`` or a number would fail deep inside with "object is
-    not iterable"; say what the argument takes instead."""
-    if isinstance(checkpoints, (str, tf.Tensor, tf.Variable)):
+    not iterable", and a list of numbers with a CheckpointError about the
+    graph; say what the argument takes instead.  The elements of a list or
+    a tuple are checked here (another iterable, which checking would use
+    up, is checked when it is resolved)."""
+    if isinstance(checkpoints, str) or is_tensor_like(checkpoints):
         return
     try:
         iter(checkpoints)
@@ -466,6 +467,13 @@ def check_checkpoints_argument(checkpoints) -> None:
             f"checkpoints={checkpoints!r} is not supported: pass a list of tensors, or one of "
             "'collection' (the default), 'speed', 'memory'; use checkpoints=[] to keep nothing extra"
         ) from None
+    if isinstance(checkpoints, (list, tuple)):
+        for position, element in enumerate(checkpoints):
+            if not is_tensor_like(element):
+                raise TypeError(
+                    f"checkpoints[{position}] is a {type(element).__name__} ({element!r:.60}): a list of "
+                    "checkpoints holds tensors (or variables) of the forward pass; or pass one of "
+                    "'collection', 'speed', 'memory'")
 
 
 def _profile_mode(profile, checkpoints, budget) -> str:
@@ -570,6 +578,7 @@ def _split_seeds(split: tuple, fwd, model, stop_gradients) -> list:
     stopped = {getattr(t, "name", None) for t in stop_gradients}
     seeds = []
     for key, pieces in split:
+        label = key if isinstance(key, str) else key.name
         if isinstance(key, str):
             try:
                 key = graph.as_graph_element(key)
@@ -578,7 +587,7 @@ def _split_seeds(split: tuple, fwd, model, stop_gradients) -> list:
         op = key if isinstance(key, tf.Operation) else getattr(key, "op", None)
         if op is None or op.name not in index or not fwd.contains_op(op):
             raise CheckpointError(
-                f"split: {getattr(key, 'name', key)!r} names no op between xs and ys; give an op, a tensor's "
+                f"split: {label!r} names no op between xs and ys; give an op, a tensor's "
                 "ref() or a name of the forward pass that gradients flow through")
         if any(t.name in stopped for t in op.outputs):
             raise CheckpointError(f"cannot split {op.name}: its output is one of stop_gradients")
@@ -590,11 +599,8 @@ def _unsplit_plan(fwd, model, checkpoints, budget, options: Options, or_lowest: 
     """:func:`_plan_for_model` on a model whose regions, if any, are folded already."""
     keep_x = options.planner.keep_x_gradients
     swap = options.swap.swap
-    if options.swap.on:
-        if swap == "auto":
-            return fwd, _hybrid_plan(model, fwd, checkpoints, budget, options, or_lowest)
-        if isinstance(swap, str):
-            _swapped(swap, fwd, model, [])
+    if options.swap.on and swap == "auto":
+        return fwd, _hybrid_plan(model, fwd, checkpoints, budget, options, or_lowest)
     if budget is None:
         chosen = _checkpoint_ops(checkpoints, fwd, model)
         mode = checkpoints if isinstance(checkpoints, str) else "list"

@@ -172,7 +172,7 @@ def enable(
                          "budget cannot fit otherwise) or leave it out; name ops to split with "
                          "memsaving.gradients(..., split={op: pieces}) in a custom training step")
     # bad values fail here, not at the first step
-    parse_options({"planning_time": planning_time, "split": split,
+    parse_options({"planning_time": planning_time, "split": split, "swap": swap or None,
                    "offload_params": offload_params or None, "offload_device": offload_device})
     offload = OffloadOptions(device=offload_device) if offload_params else None
     if offload is not None and same_device(offload_device, default_device()):

@@ -12,6 +12,7 @@ Defaults come from the records the options configure (:class:`SwapOptions`,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -20,7 +21,9 @@ import tensorflow as tf
 
 from memsaving.sim.allowance import DEFAULT_PLANNING_SECONDS
 from memsaving.sim.swap import CostModel
+from memsaving.tf.forward import is_tensor_like
 from memsaving.tf.offload import OffloadOptions
+from memsaving.tf.placement import same_device
 from memsaving.tf.swap_rewrite import SwapOptions
 
 PASSED_THROUGH = ("gate_gradients", "aggregation_method", "colocate_gradients_with_ops")
@@ -143,19 +146,50 @@ def parse_options(keywords: Mapping[str, Any]) -> Options:
         gradient=_gradient_options(keywords),
         planner=_planner_options(keywords),
         hardware=HardwareOptions(
-            flops_per_second=float(keywords.get("flops_per_second") or HardwareOptions.flops_per_second),
-            bandwidth=float(keywords.get("bandwidth") or HardwareOptions.bandwidth),
+            flops_per_second=_speed(keywords, "flops_per_second", HardwareOptions.flops_per_second,
+                                    "the device's sustained compute rate in FLOP/s"),
+            bandwidth=_speed(keywords, "bandwidth", HardwareOptions.bandwidth,
+                             "the bytes per second each way between device and host"),
         ),
         swap=_swap_settings(keywords),
         offload=_offload_settings(keywords),
     )
 
 
+def _flag(keywords: Mapping[str, Any], key: str, when_true: str, when_false: str) -> Optional[bool]:
+    """The bool option ``key`` (None when left out or None).  Anything but
+    a bool is refused, not coerced: ``"no"`` would count as True."""
+    value = keywords.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{key}={value!r} is not supported: pass {key}=True ({when_true}), "
+                        f"{key}=False ({when_false}) or leave it out")
+    return bool(value)
+
+
+def _finite_positive(value) -> bool:
+    """A real number (not a bool), finite and above 0."""
+    return (not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, float, np.integer, np.floating))
+            and math.isfinite(value) and value > 0)
+
+
+def _speed(keywords: Mapping[str, Any], key: str, default: float, meaning: str) -> float:
+    """A rate of the cost model (``bandwidth``, ``flops_per_second``): a
+    finite number above 0; 0 or a negative rate would make every transfer
+    or kernel take no time or forever."""
+    value = keywords.get(key)
+    if value is None:
+        return default
+    if not _finite_positive(value):
+        raise ValueError(f"{key}={value!r} is not supported: give {meaning} as a finite number > 0 "
+                         f"(default {default:g}), or leave it out")
+    return float(value)
+
+
 def _gradient_options(keywords: Mapping[str, Any]) -> GradientOptions:
-    follow_order = keywords.get("follow_order")
-    if follow_order is not None and not isinstance(follow_order, (bool, np.bool_)):
-        raise TypeError(f"follow_order={follow_order!r}: pass True (run gradient ops in the planned order), "
-                        "False (leave the order to TensorFlow) or leave it out")
+    follow_order = _flag(keywords, "follow_order", "run gradient ops in the planned order",
+                         "leave the order to TensorFlow")
     stop = keywords.get("stop_gradients")
     stop = () if stop is None else tuple(stop) if isinstance(stop, (list, tuple)) else (stop,)
     return GradientOptions(
@@ -163,20 +197,18 @@ def _gradient_options(keywords: Mapping[str, Any]) -> GradientOptions:
         unconnected_gradients=tf.UnconnectedGradients(keywords.get("unconnected_gradients", "none")),
         stop_gradients=stop,
         passed_through=tuple((key, keywords[key]) for key in PASSED_THROUGH if key in keywords),
-        follow_order=None if follow_order is None else bool(follow_order),
+        follow_order=follow_order,
     )
 
 
 def _planner_options(keywords: Mapping[str, Any]) -> PlannerOptions:
-    profile = keywords.get("profile")
-    if profile is not None and not isinstance(profile, (bool, np.bool_)):
-        raise ValueError(f"profile={profile!r} is not supported: use profile=True (measure kernel temporaries), "
-                         "profile=False (do not count them) or leave it out")
+    keep_x = _flag(keywords, "keep_x_gradients", "predict as if the gradients are held to the end",
+                   "as if each is consumed when made")
     return PlannerOptions(
         batch_size=_batch_size(keywords.get("batch_size")),
         batch_size_given=keywords.get("batch_size") is not None,
-        keep_x_gradients=bool(keywords.get("keep_x_gradients", False)),
-        profile=None if profile is None else bool(profile),
+        keep_x_gradients=bool(keep_x),
+        profile=_flag(keywords, "profile", "measure kernel temporaries", "do not count them"),
         planning_time=_planning_time(keywords.get("planning_time", DEFAULT_PLANNING_SECONDS)),
         split=_split(keywords.get("split")),
     )
@@ -218,9 +250,9 @@ def _split(value) -> Any:
 def _planning_time(value) -> Optional[float]:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value > 0:
+    if not _finite_positive(value):
         raise ValueError(f"planning_time={value!r} is not supported: give the seconds of simulation a plan may "
-                         "take as a positive number (default 30), or None for no limit")
+                         "take as a finite positive number (default 30), or None for no limit")
     return float(value)
 
 
@@ -240,18 +272,70 @@ def _batch_size(value) -> int:
 
 
 def _swap_settings(keywords: Mapping[str, Any]) -> SwapSettings:
-    settings = SwapSettings(swap=keywords.get("swap"), backend=keywords.get("swap_backend"))
+    settings = SwapSettings(swap=_swap(keywords.get("swap")), backend=keywords.get("swap_backend"))
     if not settings.on:
         return settings  # the swap options are read only when swapping is asked for
     defaults = SwapOptions()
     emit = SwapOptions(
-        device=keywords.get("swap_device") or defaults.device,
+        device=_device(keywords, "swap_device", defaults.device),
         trigger=keywords.get("swap_trigger") or defaults.trigger,
         lb=_swap_distance(keywords, "swap_lb", defaults.lb),
         ub=_swap_distance(keywords, "swap_ub", defaults.ub),
-        fuse=bool(keywords.get("swap_fuse", defaults.fuse)),
+        fuse=_fuse(keywords, defaults.fuse),
     )
     return SwapSettings(swap=settings.swap, emit=emit, backend=settings.backend)
+
+
+SWAP_FORMS = ("swap=True (every tensor the backward pass reads from the forward pass), swap='auto' (with budget=), "
+              "a list of tensors, or False / leave it out")
+"""What ``swap=`` takes (README, "Swapping to host memory")."""
+
+
+def _swap(value) -> Any:
+    """``swap=`` checked: None or False (off), True, ``"auto"``, a tensor
+    or a list (or tuple) of tensors; a numpy bool counts as a bool.  Which
+    tensors can be swapped is decided on the plan
+    (``memsaving.api._swapped``)."""
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if value is None or isinstance(value, bool) or is_tensor_like(value):
+        return value
+    if isinstance(value, str):
+        if value == "auto":
+            return value
+        raise ValueError(f"swap={value!r} is not supported: use {SWAP_FORMS}")
+    if isinstance(value, (list, tuple)):
+        for element in value:
+            if not is_tensor_like(element):
+                raise TypeError(f"swap: the list holds a {type(element).__name__} ({element!r:.60}); it must hold "
+                                "tensors of the forward pass (or pass swap=True or swap='auto')")
+        return value
+    raise TypeError(f"swap={value!r:.60} ({type(value).__name__}) is not supported: use {SWAP_FORMS}")
+
+
+def _fuse(keywords: Mapping[str, Any], default: bool) -> bool:
+    """``swap_fuse``, which times swap-ins and parameter copies alike."""
+    fuse = _flag(keywords, "swap_fuse", "readers close together share one copy", "one copy per reader")
+    return default if fuse is None else fuse
+
+
+def _device(keywords: Mapping[str, Any], key: str, default: str) -> str:
+    """The device option ``key`` (``swap_device``, ``offload_device``):
+    a device of this process (``tf.config.list_logical_devices()``).  A
+    device that does not exist would only fail when the step runs, or be
+    silently replaced by another under soft placement."""
+    value = keywords.get(key) or default
+    if not isinstance(value, str):
+        raise TypeError(f"{key}={value!r} is not supported: give a device name such as '/CPU:0'")
+    available = [device.name for device in tf.config.list_logical_devices()]
+    try:
+        present = any(same_device(value, name) for name in available)
+    except ValueError:  # not a device string at all
+        present = False
+    if not present:
+        raise ValueError(f"{key}={value!r} names no device of this process; available "
+                         f"(tf.config.list_logical_devices()): {', '.join(available)}")
+    return value
 
 
 def _swap_distance(keywords: Mapping[str, Any], key: str, default: int) -> int:
@@ -262,19 +346,17 @@ def _swap_distance(keywords: Mapping[str, Any], key: str, default: int) -> int:
 
 
 def _offload_settings(keywords: Mapping[str, Any]) -> OffloadSettings:
-    offload = keywords.get("offload_params")
-    if offload is None or offload is False:
+    offload = _flag(keywords, "offload_params", "variables and optimizer state on the host device, "
+                    "offload_device", "they stay where they are")
+    if not offload:
         return OffloadSettings()
-    if offload is not True:
-        raise ValueError(f"offload_params={offload!r}: pass True (variables and optimizer state on the host "
-                         "device, offload_device) or leave it out")
     if keywords.get("split") is not None:
         raise ValueError("split= cannot be combined with offload_params= yet: choose one of them")
     defaults = OffloadOptions()
     return OffloadSettings(OffloadOptions(
-        device=keywords.get("offload_device") or defaults.device,
+        device=_device(keywords, "offload_device", defaults.device),
         trigger=keywords.get("swap_trigger") or defaults.trigger,
         lb=_swap_distance(keywords, "swap_lb", defaults.lb),
         ub=_swap_distance(keywords, "swap_ub", defaults.ub),
-        fuse=bool(keywords.get("swap_fuse", defaults.fuse)),
+        fuse=_fuse(keywords, defaults.fuse),
     ))

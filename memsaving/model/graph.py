@@ -40,6 +40,11 @@ class TensorInfo:
     """The static shape (unknown dimensions sized as the batch), when the
     extractor was asked for shapes: splitting needs to know which tensors
     have the rows a split region cuts (:mod:`memsaving.model.splitting`)."""
+    numeric: bool = True
+    """Its value is an array of numbers (or bools), which a copy moves byte
+    for byte.  False for a TensorList (a loop's accumulator, of dtype
+    variant), a resource handle or a string: the emitter has no copy for
+    those, so swapping never picks them (:func:`memsaving.sim.swap.swappable`)."""
 
     @property
     def gradient_bytes(self) -> int:

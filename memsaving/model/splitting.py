@@ -248,14 +248,25 @@ IN_PLACE_PRODUCTS = frozenset({"MatMul"})
 in place, block by block (:func:`in_place_weights`)."""
 
 
+MAX_GRADIENT_BLOCKS = 16
+"""The most blocks a weight's gradient is made in per piece
+(:func:`gradient_blocks`).  Smaller blocks would save at most 1/16 of the
+weight (the buffer they add into holds all of it anyway), and each block is
+a few more ops for every piece: sized to a piece alone, the blocks grew as
+the pieces shrank, so a region's block ops grew with the square of its
+pieces (8 rows in 8 pieces: one block per weight row and piece, and a
+step with 1024-wide weights took 42 s to trace, 4 times as long as in 4
+pieces)."""
+
+
 def gradient_blocks(weight_rows: int, weight_bytes: int, piece_largest_bytes: int) -> int:
     """How many blocks of rows a weight's gradient, accumulated in place, is
     made in for each piece: enough that a block is no larger than the
     piece's largest tensor (a block then adds no more than what the piece
-    holds anyway), and at most one per row.  Blocks are kept as few as
-    that allows: each is a few kernels per piece, and every kernel a
-    function runs holds a little memory of its own for as long as the
-    function lives.
+    holds anyway), but at most one per row and at most
+    :data:`MAX_GRADIENT_BLOCKS`.  Blocks are kept as few as that allows:
+    each is a few kernels per piece, and every kernel a function runs holds
+    a little memory of its own for as long as the function lives.
 
     Examples
     --------
@@ -264,8 +275,15 @@ def gradient_blocks(weight_rows: int, weight_bytes: int, piece_largest_bytes: in
 
     >>> gradient_blocks(256, 256 * 32000 * 4, 32 * 32000 * 4), gradient_blocks(1024, 1024 * 256 * 4, 32 * 32000 * 4)
     (8, 1)
+
+    The head after a piece of one token: 16 blocks of 2 MiB, not 256 of
+    one row each:
+
+    >>> gradient_blocks(256, 256 * 32000 * 4, 32000 * 4)
+    16
     """
-    return max(1, min(weight_rows, -(-weight_bytes // max(piece_largest_bytes, 1))))
+    fitting = -(-weight_bytes // max(piece_largest_bytes, 1))
+    return max(1, min(weight_rows, fitting, MAX_GRADIENT_BLOCKS))
 
 
 def in_place_weights(model: GraphModel, ops: Sequence[int], rows: int, chunks: int) -> Dict[int, int]:

@@ -69,7 +69,11 @@ def swappable(model: GraphModel, actions: Sequence, forward_end: int) -> List[in
     Outputs of parameter ops (:func:`memsaving.model.parameters.parameter_ops`)
     stay resident anyway; outputs of ops that are not forward (an input
     scaled or filled inside the step) are not offered: the emitter copies
-    forward tensors only."""
+    forward tensors only.  Nor are tensors that are not arrays of numbers
+    (:attr:`~memsaving.model.graph.TensorInfo.numeric`: a loop's
+    TensorLists, which a loop's gradient reads once ``tf.gradients`` has
+    built it): no copy kernel takes them.  This is the one rule every swap
+    plan (``swap=True``, ``"auto"``, a list) draws its tensors from."""
     parameters = parameter_ops(model)  # weights and their reshapes stay resident anyway
     found: Set[int] = set()
     for action in actions[forward_end + 1:]:
@@ -79,7 +83,7 @@ def swappable(model: GraphModel, actions: Sequence, forward_end: int) -> List[in
             info = model.tensors[key[1]]
             if info.producer < 0 or info.producer in parameters or not model.ops[info.producer].forward:
                 continue
-            if info.trainable and info.nbytes > 0:
+            if info.trainable and info.numeric and info.nbytes > 0:
                 found.add(key[1])
     return sorted(found)
 

@@ -91,9 +91,26 @@ def _elements(shape: tf.TensorShape, batch_size: int) -> int:
     return int(n)
 
 
+NON_NUMERIC_DTYPES = frozenset({tf.resource, tf.variant, tf.string})
+"""Dtypes whose values are not arrays of numbers: a static shape cannot
+size them, and no device copy moves them (:attr:`TensorInfo.numeric`)."""
+
+
+def is_numeric(t: tf.Tensor) -> bool:
+    """True when ``t`` holds an array of numbers or bools (not a variant
+    TensorList, a resource handle or a string).
+
+    Examples
+    --------
+    >>> is_numeric(tf.constant([1.0])), is_numeric(tf.constant([True])), is_numeric(tf.constant(["a"]))
+    (True, True, False)
+    """
+    return t.dtype.base_dtype not in NON_NUMERIC_DTYPES
+
+
 def tensor_bytes(t: tf.Tensor, batch_size: int = 1) -> int:
     """Bytes of ``t`` from its static shape (unknown dimensions = ``batch_size``)."""
-    if t.dtype in (tf.resource, tf.variant, tf.string):
+    if not is_numeric(t):
         return 0
     return _elements(t.shape, batch_size) * t.dtype.size
 
@@ -464,7 +481,8 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
             if folds:
                 folded_bytes += tensor_bytes(t, batch_size)
             shape = static_shape(t, batch_size) if rows else None
-            tensors[ids[key]] = TensorInfo(t.name, nbytes, producer, flows(t), constant, value_bytes, folds, shape)
+            tensors[ids[key]] = TensorInfo(t.name, nbytes, producer, flows(t), constant, value_bytes, folds, shape,
+                                           numeric=is_numeric(t))
             if t.dtype == tf.variant:
                 variants.add(ids[key])
         return ids[key]

@@ -18,6 +18,7 @@ from typing import Iterator, List, Sequence
 
 import tensorflow as tf
 from tensorflow.python.eager import backprop_util
+from tensorflow.python.ops import resource_variable_ops
 
 from memsaving.errors import UnsupportedGraphError
 
@@ -52,6 +53,19 @@ a segment-by-segment rewrite cannot give, so graphs with it are refused."""
 
 
 _TRAINABLE = frozenset({tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128, tf.resource})
+
+
+def is_tensor_like(value) -> bool:
+    """True for what memsaving takes where it takes tensors (``ys``, ``xs``,
+    a list of checkpoints or of tensors to swap): a ``tf.Tensor`` or a
+    variable.
+
+    Examples
+    --------
+    >>> is_tensor_like(tf.constant(1.0)), is_tensor_like(tf.Variable(1.0)), is_tensor_like(1.0)
+    (True, True, False)
+    """
+    return isinstance(value, (tf.Tensor, tf.Variable)) or resource_variable_ops.is_resource_variable(value)
 
 
 def is_trainable(tensor: tf.Tensor) -> bool:

@@ -38,12 +38,16 @@ host, before the send, is what delays the transfer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import kernels
 from tensorflow.python.util import object_identity
 
+from memsaving.errors import UnsupportedGraphError
+from memsaving.tf.extract import is_numeric
+from memsaving.tf.measure import default_device
 from memsaving.tf.rewrite import is_segment_proxy
 from memsaving.model.swapping import (SWAP_FUSE_LEVELS, SWAP_IN_LATEST, SWAP_IN_LEAD, SWAP_OUT_SLACK,
                                      check_copy_timing, fused_groups, swap_out_waiters)
@@ -81,9 +85,54 @@ def gated_copy(value: tf.Tensor, host: str, device: Optional[str], name: str) ->
     return gate, copy
 
 
+def snapshot_dtypes(device_type: str) -> FrozenSet[tf.DType]:
+    """The dtypes TensorFlow registers a ``Snapshot`` kernel for on
+    ``device_type`` (``"CPU"``, ``"GPU"``), read from its kernel registry.
+
+    A Snapshot of any other dtype (a loop's TensorList, of dtype variant)
+    builds, but fails when the step runs with "No OpKernel was registered";
+    the emitter checks this list instead, when the graph is built.
+
+    Examples
+    --------
+    >>> tf.float32 in snapshot_dtypes("CPU"), tf.variant in snapshot_dtypes("CPU")
+    (True, False)
+    """
+    found = set()
+    for kernel in kernels.get_registered_kernels_for_op("Snapshot").kernel:
+        if kernel.device_type.upper() != device_type.upper():
+            continue
+        for constraint in kernel.constraint:
+            if constraint.name == "T":
+                found.update(tf.as_dtype(t) for t in constraint.allowed_values.list.type)
+    return frozenset(found)
+
+
+def _device_type(device: Optional[str]) -> str:
+    """The type of ``device`` (``"CPU"``, ``"GPU"``); for a device left
+    unnamed, the type TensorFlow places ops on by default."""
+    named = tf.DeviceSpec.from_string(device or "").device_type
+    return (named or tf.DeviceSpec.from_string(default_device()).device_type).upper()
+
+
 class SnapshotBackend:
     """Copies with ``Snapshot`` ops placed on the host and back on the
     device, each copy back gated on the host (:func:`gated_copy`)."""
+
+    def __init__(self):
+        self._dtypes: Dict[str, FrozenSet[tf.DType]] = {}  # snapshot_dtypes by device type, read once
+
+    def cannot_copy(self, tensor: tf.Tensor, host: str) -> Optional[str]:
+        """Why ``tensor`` cannot be copied to ``host`` and back (None when
+        it can): both copies are Snapshots, which exist for some dtypes only
+        (:func:`snapshot_dtypes`)."""
+        for device in (host, tensor.op.device):
+            kind = _device_type(device)
+            if kind not in self._dtypes:
+                self._dtypes[kind] = snapshot_dtypes(kind)
+            if tensor.dtype.base_dtype not in self._dtypes[kind]:
+                return f"TensorFlow has no {kind} kernel of Snapshot, the op that copies it, for {tensor.dtype.name}"
+        return None
 
     def swap_out(self, tensor: tf.Tensor, host: str) -> tf.Tensor:
         with tf.device(host):
@@ -107,6 +156,11 @@ class HostStoreBackend:
     def __init__(self):
         self.store: Dict[int, np.ndarray] = {}
         self._next = 0
+
+    def cannot_copy(self, tensor: tf.Tensor, host: str) -> Optional[str]:  # pylint: disable=unused-argument
+        """Why ``tensor`` cannot be stored (None when it can): numpy holds
+        arrays of numbers only."""
+        return None if is_numeric(tensor) else f"the host store holds arrays of numbers, not {tensor.dtype.name}"
 
     def swap_out(self, tensor: tf.Tensor, host: str) -> tf.Tensor:
         key = self._next
@@ -157,8 +211,9 @@ def insert_swaps(
     its swap-out, so the device copy is freed during the forward pass.
     Returns, per tensor, its swap-out, swap-ins, triggers and rewired
     consumers (for tests and reports)."""
-    forward_set = set(forward)
     backend = backend or SnapshotBackend()
+    _refuse_what_cannot_be_copied(backend, tensors, options.device)
+    forward_set = set(forward)
     level = _levels(backward)
     by_level: Dict[int, List[tf.Operation]] = {}
     for op in backward:
@@ -205,6 +260,26 @@ def insert_swaps(
         report.append(entry)
     _wait_for_earlier_swap_ins(report, level, backend)
     return report
+
+
+def _refuse_what_cannot_be_copied(backend, tensors: Sequence[tf.Tensor], host: str) -> None:
+    """Raise, before anything is emitted, when ``backend`` cannot copy one
+    of ``tensors`` (its ``cannot_copy``; a backend without one copies
+    anything): a graph with such a copy builds, but fails at run time.
+
+    Raises
+    ------
+    UnsupportedGraphError
+        naming the tensor, its dtype and why."""
+    check = getattr(backend, "cannot_copy", None)
+    if check is None:
+        return
+    for t in tensors:
+        reason = check(t, host)
+        if reason is not None:
+            raise UnsupportedGraphError(
+                f"cannot swap {t.name} (dtype {t.dtype.name}) to {host}: {reason}. Only tensors of numbers can be "
+                "swapped (swap=True and swap='auto' pick only those); leave it out of swap=[...]")
 
 
 def _waiting_ops(backend, swap_in: tf.Tensor) -> List[tf.Operation]:

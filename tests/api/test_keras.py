@@ -120,6 +120,9 @@ def test_fit_with_swapping_matches_plain_keras():
     assert mkeras.plan_of(ours_model).swapped
     with pytest.raises(ValueError, match="needs budget"):
         mkeras.enable(_sequential(), swap="auto")
+    # a bad swap= fails at enable, not at the first step
+    with pytest.raises(TypeError, match="swap=3 .* is not supported"):
+        mkeras.enable(_sequential(), swap=3)
 
 
 def test_memsaving_keras_is_reachable_from_the_package():

@@ -89,5 +89,5 @@ def test_bad_offload_arguments():
     def bad(x):
         return memsaving.gradients(_loss(x, ws), ws, offload_params="yes")
 
-    with pytest.raises(ValueError, match="offload_params"):
+    with pytest.raises(TypeError, match="offload_params"):
         bad(tf.ones([2, 4]))

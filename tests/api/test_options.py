@@ -48,7 +48,7 @@ def test_offload_keywords_are_parsed_with_the_swap_timing():
                           "swap_trigger": "chain"}).offload.emit
     assert (emit.device, emit.lb, emit.trigger) == ("/CPU:1", 2, "chain")
     assert parse_options({"offload_params": True}).offload.emit.device == "/CPU:0"
-    with pytest.raises(ValueError, match="offload_params"):
+    with pytest.raises(TypeError, match="offload_params"):
         parse_options({"offload_params": "yes"})
     with pytest.raises(ValueError, match="cannot be combined"):
         parse_options({"offload_params": True, "split": "auto"})
@@ -128,3 +128,77 @@ def test_a_spent_planning_time_keeps_the_gradients_and_says_so():
     assert "planning stopped" not in full.table()
     assert 0 < short.planning_seconds < full.planning_seconds
     assert short.predicted_compute >= full.predicted_compute
+
+
+@pytest.mark.parametrize("key", ["bandwidth", "flops_per_second"])
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "16e9", True])
+def test_a_speed_must_be_a_finite_positive_number(key, value):
+    """0 used to fall back to the default silently, -1 and nan to be taken."""
+    with pytest.raises(ValueError, match=rf"{key}={value!r} is not supported: .*finite number > 0"):
+        parse_options({key: value})
+    assert getattr(parse_options({key: np.float32(2e9)}).hardware, key) == 2e9
+
+
+def test_an_infinite_planning_time_is_refused_in_favour_of_none():
+    with pytest.raises(ValueError, match="planning_time=inf .*finite positive number.*None for no limit"):
+        parse_options({"planning_time": float("inf")})
+
+
+@pytest.mark.parametrize("key", ["swap_fuse", "follow_order", "profile", "offload_params", "keep_x_gradients"])
+def test_a_bool_option_refuses_what_is_not_a_bool(key):
+    """swap_fuse='no' used to count as True."""
+    with pytest.raises(TypeError, match=rf"{key}='no' is not supported: pass {key}=True .*{key}=False"):
+        parse_options({"swap": True, key: "no"})
+    with pytest.raises(TypeError, match=rf"{key}=1 is not supported"):
+        parse_options({"swap": True, key: 1})
+    parse_options({"swap": True, key: np.bool_(False)})
+
+
+def test_swap_fuse_false_reaches_swaps_and_parameter_copies():
+    assert parse_options({"swap": True, "swap_fuse": False}).swap.emit.fuse is False
+    assert parse_options({"offload_params": True, "swap_fuse": False}).offload.emit.fuse is False
+    assert parse_options({"swap": True}).swap.emit.fuse is True
+
+
+@pytest.mark.parametrize("keywords", [{"swap": True, "swap_device": "/GPU:7"},
+                                      {"swap": True, "swap_device": "/CPU:9"},
+                                      {"swap": True, "swap_device": "host"},
+                                      {"offload_params": True, "offload_device": "/device:GPU:3"}])
+def test_a_device_that_does_not_exist_is_refused_with_those_that_do(keywords):
+    key = next(k for k in keywords if k.endswith("_device"))
+    with pytest.raises(ValueError, match=rf"{key}=.* names no device of this process; available .*device:CPU:0"):
+        parse_options(keywords)
+
+
+@pytest.mark.parametrize("device", ["/CPU:1", "cpu:0", "/device:CPU:1", "/job:localhost/replica:0/task:0/device:CPU:0"])
+def test_a_device_of_this_process_is_taken_in_any_spelling(device):
+    assert parse_options({"swap": True, "swap_device": device}).swap.emit.device == device
+    assert parse_options({"offload_params": True, "offload_device": device}).offload.emit.device == device
+    with pytest.raises(TypeError, match="swap_device=1 is not supported"):
+        parse_options({"swap": True, "swap_device": 1})
+
+
+@pytest.mark.parametrize("value", [123, 1.5, {"a": 1}, [1, 2], ["Tanh:0"], (None,)])
+def test_swap_refuses_what_readme_does_not_document(value):
+    """swap=123 used to fail with a CheckpointError about the graph."""
+    with pytest.raises(TypeError, match=r"swap.*(is not supported: use swap=True|the list holds a)"):
+        parse_options({"swap": value})
+
+
+def test_swap_takes_what_readme_documents():
+    for value in (None, False, True, np.bool_(True), "auto", []):
+        assert parse_options({"swap": value}).swap.swap == value
+
+    parsed = []
+
+    @tf.function
+    def step(x):
+        h = tf.tanh(x)
+        parsed.append((h, parse_options({"swap": [h]}).swap.swap, parse_options({"swap": h}).swap.swap))
+        return h
+
+    step.get_concrete_function(tf.TensorSpec([2]))
+    h, listed, single = parsed[0]
+    assert listed[0] is h and single is h
+    with pytest.raises(ValueError, match="swap='sometimes' is not supported"):
+        parse_options({"swap": "sometimes"})

@@ -196,6 +196,34 @@ def test_head_weight_gradient_accumulates_in_place(transposed):
     assert added < 1.5 * 8 * 2 ** 20, added / 2 ** 20
 
 
+def test_as_many_pieces_as_rows_keep_the_gradient_blocks_few():
+    """An 8-row head in 8 pieces: each piece is one row.  Sized to the
+    piece alone, each weight's gradient was made in one block per weight
+    row (256 per piece, 2,048 in-place adds for the step, which took ten
+    times as long to build as in 4 pieces); the blocks per piece are
+    capped, so the block ops grow with the pieces, not their square."""
+    from memsaving.model.splitting import MAX_GRADIENT_BLOCKS  # pylint: disable=import-outside-toplevel
+
+    rng = np.random.default_rng(5)
+    rows, width, vocab, pieces = 8, 256, 1000, 8
+    x = tf.constant(rng.standard_normal((rows, width)).astype(np.float32))
+    labels = tf.constant(rng.integers(0, vocab, rows).astype(np.int32))
+    weights = [tf.Variable(rng.standard_normal((width, width)).astype(np.float32) * 0.05),
+               tf.Variable(rng.standard_normal((width, vocab)).astype(np.float32) * 0.05)]
+
+    @tf.function
+    def step(x):
+        logits = tf.matmul(tf.tanh(tf.matmul(x, weights[0])), weights[1])
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+        return (memsaving.gradients(loss, weights, checkpoints=[], split={logits.ref(): pieces}),
+                tf.gradients(loss, weights))
+
+    ours, plain = step(x)
+    _compare(ours, plain)
+    adds = sum(op.type == "InplaceAdd" for op in step.get_concrete_function(x).graph.get_operations())
+    assert 0 < adds <= pieces * len(weights) * MAX_GRADIENT_BLOCKS, adds
+
+
 def test_batch_split_of_a_conv_net():
     keras.utils.set_random_seed(1)
     inputs = keras.Input((16, 16, 3), batch_size=4)
@@ -409,6 +437,14 @@ def test_split_errors_say_what_to_do():
 
     with pytest.raises(ValueError, match="split='auto'"):
         memsaving.options.parse_options({"split": "yes"})
+
+    @tf.function
+    def unknown_name(x, labels):
+        loss, _ = _loss(model, x, labels)
+        return memsaving.gradients(loss, model.trainable_variables, checkpoints=[], split={"no_such_op": 4})
+
+    with pytest.raises(memsaving.CheckpointError, match="split: 'no_such_op' names no op between xs and ys"):
+        unknown_name.get_concrete_function(x, labels)
 
 
 def _gpt_step_gradients(split, size=16, dim=32, checkpoints=lambda logits: "memory"):

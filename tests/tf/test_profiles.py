@@ -387,5 +387,5 @@ def test_profile_argument_is_checked():
     def step(x):
         return memsaving.gradients(tf.reduce_sum(tf.matmul(x, w)), [w], profile="yes")
 
-    with pytest.raises(ValueError, match="profile="):
+    with pytest.raises(TypeError, match="profile="):
         step.get_concrete_function(tf.TensorSpec([2, 4]))

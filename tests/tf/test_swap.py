@@ -5,10 +5,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tensorflow.python.ops import list_ops
+
 import memsaving
 from helpers import (assert_close, in_a_fresh_process, optimized_graphs, run_session, run_tf_function,
-                     session_step_times)
-from memsaving.tf.swap_rewrite import HostStoreBackend
+                     session_step_times, smallest_budget)
+from memsaving.tf.swap_rewrite import HostStoreBackend, SwapOptions, insert_swaps
 from model_zoo import ALL_MODELS
 
 HOST = "/CPU:1"  # the second logical CPU stands in for host memory
@@ -249,3 +251,79 @@ def test_swap_a_chosen_tensor_and_refuse_a_recomputed_one():
 
     with pytest.raises(memsaving.CheckpointError, match="cannot swap"):
         recomputed(tf.ones([16, 32]))
+
+
+def _loop_then_mlp(swap_kwargs):
+    """A tf.while_loop accumulating tanh(h @ w) into a loop variable, then
+    a wider MLP; tf.gradients runs first, which adds the loop's
+    TensorLists (dtype variant) to its outputs, then memsaving.gradients
+    with ``swap_kwargs`` (``budget`` given as a callable of the loss and
+    variables).  Returns the step (ours and tf.gradients' gradients) and
+    the plans it made."""
+    width, wide, depth = 16, 128, 6
+    loop_w = tf.Variable(tf.random.normal([width, width], stddev=0.1, seed=1))
+    first = tf.Variable(tf.random.normal([width, width], stddev=0.25, seed=2))
+    up = tf.Variable(tf.random.normal([width, wide], stddev=0.25, seed=3))
+    ws = [loop_w, first, up] + [tf.Variable(tf.random.normal([wide, wide], stddev=wide ** -0.5, seed=4 + i))
+                                for i in range(depth)]
+    plans = []
+
+    def body(i, total, h):
+        h = tf.tanh(tf.matmul(h, loop_w))
+        return i + 1, total + h, h
+
+    @tf.function
+    def step(x):
+        h = tf.tanh(tf.matmul(x, first))
+        _, total, _ = tf.while_loop(lambda i, total, h: i < 4, body, [0, tf.zeros_like(h), h])
+        h = tf.tanh(tf.matmul(total, up))
+        for w in ws[3:]:
+            h = tf.tanh(tf.matmul(h, w))
+        loss = tf.reduce_sum(h * h)
+        plain = tf.gradients(loss, ws)
+        kwargs = dict(swap_kwargs)
+        if callable(kwargs.get("budget")):
+            kwargs["budget"] = kwargs["budget"](loss, ws)
+        ours, plan = memsaving.gradients_and_plan(loss, ws, swap_device=HOST, **kwargs)
+        plans.append(plan)
+        return plain, ours
+
+    return step, plans
+
+
+@pytest.mark.parametrize("swap_kwargs", [
+    dict(checkpoints=[], swap=True, profile=True),
+    dict(checkpoints="memory", swap="auto",
+         budget=lambda loss, ws: int(1.03 * smallest_budget(loss, ws, checkpoints="memory", swap="auto",
+                                                            swap_device=HOST))),
+], ids=["swap-all", "auto"])
+def test_a_loop_whose_gradient_was_built_swaps_no_tensor_list(swap_kwargs):
+    """The loop's TensorLists used to be swapped: a Snapshot of a variant
+    tensor, which fails at run time (no kernel).  Its other outputs and
+    the MLP's activations are still swapped."""
+    step, plans = _loop_then_mlp(swap_kwargs)
+    plain, ours = step(tf.random.normal([32, 16], seed=9))
+    assert_close([g.numpy() for g in plain], [g.numpy() for g in ours])
+    graph = step.get_concrete_function(tf.TensorSpec([32, 16])).graph
+    dtypes = {t.name: t.dtype for op in graph.get_operations() for t in op.outputs}
+    swapped = plans[0].swapped
+    assert swapped and all(dtypes[name] != tf.variant for name in swapped), swapped
+
+
+def test_the_emitter_refuses_a_tensor_it_cannot_copy_before_emitting_anything():
+    graph = tf.Graph()
+    with graph.as_default():
+        values = tf.compat.v1.placeholder(tf.float32, [3, 4], name="values")
+        listed = list_ops.tensor_list_from_tensor(values, element_shape=[4])
+        reader = list_ops.tensor_list_stack(listed, tf.float32, name="reader").op
+        before = len(graph.get_operations())
+        for backend, reason in [(None, "TensorFlow has no CPU kernel of Snapshot.*for variant"),
+                                (HostStoreBackend(), "the host store holds arrays of numbers, not variant")]:
+            with pytest.raises(memsaving.UnsupportedGraphError,
+                               match=rf"cannot swap {listed.name} \(dtype variant\) to {HOST}: {reason}"):
+                insert_swaps([reader], [listed], SwapOptions(device=HOST), backend)
+            assert len(graph.get_operations()) == before
+        # a float tensor of the same graph is copied
+        doubled = tf.multiply(values, 2.0, name="doubled").op
+        report = insert_swaps([doubled], [values], SwapOptions(device=HOST))
+        assert [entry["tensor"] for entry in report] == [values] and doubled.inputs[0].op.type == "Snapshot"
