@@ -41,8 +41,11 @@ def _tokens(batch: int, length: int, vocab: int) -> tf.Tensor:
 
 
 def _case(model: keras.Model, inputs, batch: int, description: str) -> Case:
-    outputs = model(inputs, training=False)
-    return Case(model, inputs, tf.zeros_like(outputs), batch, description)
+    """The case, its zero targets shaped from the model's symbolic output: a
+    forward pass run eagerly here would itself need memory above a tight
+    cap (Keras' functional models hold every layer's output in eager mode)."""
+    shape = [batch] + list(model.outputs[0].shape[1:])
+    return Case(model, inputs, tf.zeros(shape, model.outputs[0].dtype), batch, description)
 
 
 def densenet(size: int = 32, channels: int = 8, blocks: int = 3, layers: int = 4, growth: int = 8) -> keras.Model:
