@@ -8,29 +8,37 @@ import sys
 from typing import Optional, Sequence
 
 from memsaving.errors import MemsavingError
+from memsaving.tools.arguments import USAGE_STATUS, OneLineParser, UsageError, memory_size, positive_int
+from memsaving.tools.footprints import BUILT_IN, dense_stack, refuse_if_too_big
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="memsaving", description="Gradient checkpointing for TensorFlow 2.")
+    """The ``memsaving`` command; its exit status.
+
+    Arguments are checked before TensorFlow is imported: one line on
+    stderr and status 2 for an argument that cannot work (a number below 1,
+    an unreadable budget, a plot path that cannot be written, a model too
+    big for this machine), status 1 for work that failed.
+    """
+    parser = OneLineParser(prog="memsaving", description="Gradient checkpointing for TensorFlow 2.")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="compare peak memory and time of one gradient step, plain vs memsaving")
-    demo.add_argument("--depth", type=int, default=64, help="layers of the MLP (default 64)")
-    demo.add_argument("--batch", type=int, default=2048, help="batch size (default 2048)")
-    demo.add_argument("--width", type=int, default=256, help="units per layer (default 256)")
+    demo.add_argument("--depth", type=positive_int, default=64, help="layers of the MLP (default 64)")
+    demo.add_argument("--batch", type=positive_int, default=2048, help="batch size (default 2048)")
+    demo.add_argument("--width", type=positive_int, default=256, help="units per layer (default 256)")
     demo.add_argument("--checkpoints", default="memory", choices=["memory", "speed"],
                       help="how checkpoints are chosen (default memory: about sqrt(n) separators)")
     plan = commands.add_parser("plan", help="print the plan memsaving would run for a Keras model's training step")
-    plan.add_argument("model", help="a saved Keras model (.keras/.h5) or a built-in name: "
-                                    "mlp, resnet50, resnet50v2, efficientnetb0, vgg16, mobilenet, unet, "
-                                    "transformer, residual_convnet, two_tower, attention_encoder, recurrent")
-    plan.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
-    plan.add_argument("--size", type=int, default=None,
+    plan.add_argument("model", help="a saved Keras model (.keras/.h5) or a built-in name: " + ", ".join(BUILT_IN))
+    plan.add_argument("--batch", type=positive_int, default=8, help="batch size (default 8)")
+    plan.add_argument("--size", type=positive_int, default=None,
                       help="every unknown non-batch input dimension of a saved model (sequence length, image "
                            "size; required when there is one); the image size, or sequence length for "
                            "transformer, of built-in models (default 64)")
     plan.add_argument("--checkpoints", default="memory", choices=["memory", "speed"],
                       help="how checkpoints are chosen (default memory)")
-    plan.add_argument("--budget", default=None, help="a memory budget such as 2GiB or 512MB (default: none)")
+    plan.add_argument("--budget", type=memory_size, default=None,
+                      help="a memory budget such as 2GiB or 512MB, as budget= takes it (default: none)")
     plan.add_argument("--swap", default="off", choices=["off", "all", "auto"],
                       help="host-memory swapping: off, all (every tensor the backward reads, as TFLMS) or "
                            "auto (keep / swap / recompute chosen under --budget)")
@@ -43,9 +51,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            "CPU seconds) and the size of the traced graph")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    try:
+        return run_command(args)
+    except UsageError as error:
+        print(f"memsaving {args.command}: {error}", file=sys.stderr)
+        return USAGE_STATUS
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run the parsed ``plan`` or ``demo`` command; its exit status."""
     if args.command == "plan":
-        if args.batch < 1 or (args.size is not None and args.size < 1):
-            parser.error("--batch and --size must be at least 1")
         from memsaving.tools.plan_command import run
 
         try:
@@ -55,15 +70,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"memsaving plan: {error}", file=sys.stderr)
             return 1
         return 0
-    if args.command == "demo":
-        for name in ("depth", "batch", "width"):
-            if getattr(args, name) < 1:
-                parser.error(f"--{name} must be at least 1")
-        from memsaving.tools.demo import main as demo_main
+    refuse_if_too_big(dense_stack(args.depth, args.width), args.batch, f"the demo at --depth {args.depth} --width "
+                      f"{args.width}", "give a smaller --depth, --width or --batch")
+    from memsaving.tools.demo import main as demo_main
 
-        return demo_main(args.depth, args.batch, args.width, args.checkpoints)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    return demo_main(args.depth, args.batch, args.width, args.checkpoints)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import os
 import re
 import sys
@@ -24,10 +25,12 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple, Union
 
 from memsaving.errors import MemsavingError
 from memsaving.planners.planning import Plan
+from memsaving.tools.arguments import UsageError, check_plot_path, unreadable_model_reason
+from memsaving.tools.footprints import BUILT_IN, Footprint, refuse_if_too_big
 
 DEFAULT_SIZE = 64
 """Image size / sequence length of the built-in models when ``--size`` is not given."""
@@ -144,21 +147,70 @@ def _loading_advice(path: str, error: Exception) -> str:
     return f"memsaving plan: cannot load {path}: {type(error).__name__}: {short}"
 
 
+def check_model_argument(model: str, batch: int, size: Optional[int] = None) -> bool:
+    """Whether ``model`` names a saved model file (else a built-in one), once
+    it is known the command can load it; before TensorFlow is imported.
+
+    Raises :class:`UsageError` for a name that is neither a file nor a
+    built-in model, and for a built-in model at a size it cannot be built
+    at or too big for this machine (:func:`refuse_if_too_big`); exits with
+    status 1 for a file that is no Keras model (truncated, damaged, of
+    another type), with the reason.
+    """
+    if os.path.exists(model):
+        reason = unreadable_model_reason(model)
+        if reason:
+            raise SystemExit(f"memsaving plan: cannot load {model}: not a readable Keras model: {reason}")
+        return True
+    if model not in BUILT_IN:
+        raise UsageError(f"{model!r}: no such file, and no built-in model of that name: give the path of a saved "
+                         f"Keras model (.keras, .h5) or one of {', '.join(sorted(BUILT_IN))}")
+    size = size or DEFAULT_SIZE
+    problem = BUILT_IN[model].size_problem(size)
+    if problem:
+        raise UsageError(f"--size {size}: {model} takes an image size that {problem}: give such a --size")
+    refuse_if_too_big(BUILT_IN[model].footprint(size), batch, f"a training step of {model} at size {size}",
+                      "give a smaller --size or --batch")
+    return False
+
+
 def load_model(name_or_path: str, size: Optional[int] = None):
-    """A saved Keras model (a path) or a built-in one (a name, built at ``size``)."""
+    """A saved Keras model (a path) or a built-in one (a name, built at ``size``;
+    :func:`check_model_argument` says first whether it can be)."""
     import keras
 
-    from memsaving.tools.models import BUILDERS, build
+    from memsaving.tools.models import build
 
     if os.path.exists(name_or_path):
         try:
             return keras.models.load_model(name_or_path, compile=False)
         except Exception as error:  # pylint: disable=broad-except  # Keras raises TypeError/ValueError/...
             raise SystemExit(_loading_advice(name_or_path, error)) from error
-    if name_or_path in BUILDERS:
-        return build(name_or_path, size or DEFAULT_SIZE)
-    raise SystemExit(f"memsaving plan: {name_or_path!r} is neither a file nor a built-in model "
-                     f"({', '.join(sorted(BUILDERS))})")
+    return build(name_or_path, size or DEFAULT_SIZE)
+
+
+def model_footprint(model, size: Optional[int] = None) -> Footprint:
+    """What a training step of the loaded ``model`` takes, from its weights and its layers' output shapes.
+
+    Every unknown non-batch dimension is ``size`` (1 when None).  Only the
+    layers' outputs are counted, not the tensors inside a layer (a
+    MultiHeadAttention's scores): the activations are a lower bound.
+    """
+    import tensorflow as tf
+
+    def sample_bytes(tensor) -> int:
+        dims = [(size or 1) if d is None else int(d) for d in tuple(tensor.shape)[1:]]
+        return math.prod(dims) * tf.as_dtype(tensor.dtype).size
+
+    parameter_bytes = sum(math.prod(int(d) for d in w.shape) * tf.as_dtype(w.dtype).size for w in model.weights)
+    activation_bytes = 0
+    for layer in model.layers:
+        try:
+            outputs = tf.nest.flatten(layer.output)
+        except (AttributeError, ValueError):  # a layer never called on a KerasTensor records no output
+            continue
+        activation_bytes += sum(sample_bytes(t) for t in outputs if hasattr(t, "shape"))
+    return Footprint(parameter_bytes, activation_bytes)
 
 
 def _model_inputs(model) -> Any:
@@ -348,8 +400,9 @@ def _verbose_report(clocks: Dict[str, Clock], traced: Traced, stream: TextIO) ->
 
 
 def run(model: str, batch: int = 8, size: Optional[int] = None, checkpoints: str = "memory",
-        budget: Optional[str] = None, swap: str = "off", plot: Optional[str] = None, out: Optional[TextIO] = None,
-        imports: Sequence[str] = (), verbose: bool = False, err: Optional[TextIO] = None) -> Plan:
+        budget: Union[int, str, None] = None, swap: str = "off", plot: Optional[str] = None,
+        out: Optional[TextIO] = None, imports: Sequence[str] = (), verbose: bool = False,
+        err: Optional[TextIO] = None) -> Plan:
     """The ``memsaving plan`` command; returns the plan it printed.
 
     ``size`` is the image size / sequence length of a built-in model
@@ -357,18 +410,29 @@ def run(model: str, batch: int = 8, size: Optional[int] = None, checkpoints: str
     non-batch input dimension.  ``imports`` are imported before loading
     (modules defining custom layers).  ``verbose`` reports where the time
     went on ``err`` (default stderr).
+
+    What can be told before loading is checked first, without TensorFlow
+    (:func:`check_model_argument`, the plot's path); a saved model too big
+    for this machine is refused once loaded, before its step is traced.
+    Arguments that cannot work raise :class:`UsageError`.
     """
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
     if swap == "auto" and budget is None:
-        raise SystemExit("memsaving plan --swap auto: give a --budget too (keep / swap / recompute is chosen under it)")
+        raise UsageError("--swap auto: give a --budget too (keep / swap / recompute is chosen under it)")
+    if plot:
+        check_plot_path(plot)
+    saved = check_model_argument(model, batch, size)
     clocks: Dict[str, Clock] = {}
     for name in imports:
         with timed(clocks, f"import {name}"):
             import_modules([name])
     with progress(f"loading {model}", err), timed(clocks, "load"):
         keras_model = load_model(model, size)
-    saved = os.path.exists(model)
+    if saved:
+        refuse_if_too_big(model_footprint(keras_model, size), batch,
+                          f"a training step of {model}" + (f" at size {size}" if size else ""),
+                          "give a smaller --batch" + (" or --size" if size else ""))
     with progress(f"tracing and planning the training step of {keras_model.name} (batch {batch})", err):
         traced = trace_plans(keras_model, batch, checkpoints, budget, swap, size if saved else None,
                              plain=bool(plot))
