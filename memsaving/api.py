@@ -24,6 +24,7 @@ from memsaving.tf.checkpoints import Checkpoints, resolve_checkpoints
 from memsaving.planners.modes import memory_proposal, speed_proposal
 from memsaving.errors import BudgetError, CheckpointError, PlanWarning, feasible_budget
 from memsaving import fit_budget as _calibration
+from memsaving.tf.api_modules import stop_caching_gradients
 from memsaving.tf.extract import graph_model
 from memsaving.tf.forward import forward_graph, is_tensor_like, ops_made_in
 from memsaving.tf.measure import bytes_in_use
@@ -61,6 +62,12 @@ TensorLike = Union[tf.Tensor, tf.Variable]
 # checkpoints ("speed").
 ORIGINAL_TF_GRADIENTS = _gradients_impl.gradients_v2
 ORIGINAL_TF_COMPAT_V1_GRADIENTS = _gradients_impl.gradients
+
+# The TF1 package's idiom, ``tf.__dict__["gradients"] = memsaving.gradients_memory``
+# on ``import tensorflow.compat.v1 as tf``, is ignored by a module wrapper that
+# already cached ``tf.gradients``.  Evaluating the right-hand side imports this
+# module, so the wrappers stop caching ``gradients`` before the assignment.
+stop_caching_gradients()
 
 HALF_PRECISION = (tf.float16, tf.bfloat16)
 
@@ -746,3 +753,8 @@ def gradients_memory(ys, xs, grad_ys=None, **kwargs) -> list:
 def gradients_collection(ys, xs, grad_ys=None, **kwargs) -> list:
     """``gradients(..., checkpoints="collection")``: tensors marked by the user."""
     return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)
+
+
+DROP_IN_GRADIENTS = (gradients, gradients_speed, gradients_memory, gradients_collection)
+"""memsaving's functions that take ``tf.gradients``' arguments: the ones users
+assign to ``tf.gradients`` by hand, and :func:`memsaving.unpatch` takes back."""

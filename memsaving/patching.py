@@ -5,7 +5,10 @@ Code that already calls ``tf.gradients`` or ``tf.compat.v1.gradients``
 libraries) cannot be told to call :func:`memsaving.gradients` instead.
 :func:`patch` swaps the function behind those module attributes, so such
 code recomputes between checkpoints without being edited; :func:`unpatch`
-puts back exactly what was there.
+puts back what was there, and TensorFlow's function wherever memsaving's
+own functions were assigned by hand (the TF1 package's
+``tf.__dict__["gradients"] = memsaving.gradients_memory``, which
+:mod:`memsaving.tf.api_modules` makes effective on ``tensorflow.compat.v1``).
 
 What is replaced, and why only that:
 
@@ -31,16 +34,17 @@ The patch does not reach ``tf.GradientTape`` (TF2 eager code, Keras 3
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from types import ModuleType
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import tensorflow as tf
 
+from memsaving.tf.api_modules import gradients_holders
 from memsaving.tf.checkpoints import Checkpoints
 from memsaving.options import ACCEPTED_KEYWORDS
 from memsaving.api import (
+    DROP_IN_GRADIENTS,
     ORIGINAL_TF_COMPAT_V1_GRADIENTS,
     ORIGINAL_TF_GRADIENTS,
     check_checkpoints_argument,
@@ -52,15 +56,6 @@ from memsaving.api import (
 _PER_CALL = frozenset({"name", "gate_gradients", "aggregation_method", "stop_gradients",
                        "unconnected_gradients", "colocate_gradients_with_ops"})
 _PATCH_OPTIONS = frozenset({"budget"}) | (ACCEPTED_KEYWORDS - _PER_CALL)
-
-# Modules whose ``gradients`` attribute callers reach: the public API modules
-# (``tensorflow``, ``tensorflow.compat.v1``, TensorFlow's internal
-# ``tensorflow._api.v2...`` copies of them) and the module TensorFlow's v1
-# optimizers call through.
-_API_PREFIXES = ("tensorflow.compat.", "tensorflow._api.")
-_OPTIMIZER_MODULE = "tensorflow.python.ops.gradients"
-
-_MISSING = object()  # a module had no ``gradients`` attribute before patch()
 
 _lock = threading.RLock()
 # (module, what its ``gradients`` was before patch()), in patching order
@@ -103,6 +98,11 @@ def _make_gradients_v1(checkpoints: Checkpoints, options: Dict[str, Any]) -> Cal
     return _do_not_convert(gradients)
 
 
+def _tensorflows_own(is_v1: bool) -> Callable[..., list]:
+    """TensorFlow's ``gradients`` of the v1 or the v2 API, as captured at import."""
+    return ORIGINAL_TF_COMPAT_V1_GRADIENTS if is_v1 else ORIGINAL_TF_GRADIENTS
+
+
 def _targets() -> List[Tuple[ModuleType, bool]]:
     """Modules to patch, each with True when it holds the v1 function.
 
@@ -111,21 +111,22 @@ def _targets() -> List[Tuple[ModuleType, bool]]:
     other modules only when they still hold TensorFlow's function, so
     unrelated ``gradients`` attributes are never touched.
     """
-    found: Dict[int, Tuple[ModuleType, bool]] = {}
-    always = [(tf, False), (tf.compat.v1, True)]
-    for module, is_v1 in always:
-        found[id(module)] = (module, is_v1)
-    for name, module in list(sys.modules.items()):
-        if module is None or id(module) in found:
-            continue
-        if not (name == _OPTIMIZER_MODULE or name.startswith(_API_PREFIXES)):
-            continue
-        current = getattr(module, "__dict__", {}).get("gradients")
-        if current is ORIGINAL_TF_GRADIENTS:
-            found[id(module)] = (module, False)
-        elif current is ORIGINAL_TF_COMPAT_V1_GRADIENTS:
-            found[id(module)] = (module, True)
-    return list(found.values())
+    always = {id(tf), id(tf.compat.v1)}
+    originals = (ORIGINAL_TF_GRADIENTS, ORIGINAL_TF_COMPAT_V1_GRADIENTS)
+    return [(module, is_v1) for module, is_v1 in gradients_holders()
+            if id(module) in always or vars(module)["gradients"] in originals]
+
+
+def _take_back_memsaving_functions() -> None:
+    """Give TensorFlow's function back to every module holding one of memsaving's.
+
+    A hand-made ``tf.__dict__["gradients"] = memsaving.gradients_memory``
+    (before or after :func:`patch`) would otherwise be what :func:`unpatch`
+    leaves behind.
+    """
+    for module, is_v1 in gradients_holders():
+        if vars(module)["gradients"] in DROP_IN_GRADIENTS:
+            setattr(module, "gradients", _tensorflows_own(is_v1))
 
 
 def _check_options(checkpoints: Checkpoints, kwargs: Dict[str, Any]) -> None:
@@ -192,25 +193,28 @@ def patch(checkpoints: Checkpoints = "memory", **kwargs: Any) -> None:
         v2 = _make_gradients_v2(checkpoints, dict(kwargs))
         v1 = _make_gradients_v1(checkpoints, dict(kwargs))
         for module, is_v1 in _targets():
-            _saved.append((module, vars(module).get("gradients", _MISSING)))
+            _saved.append((module, vars(module)["gradients"]))
             setattr(module, "gradients", v1 if is_v1 else v2)
         _active = {"checkpoints": checkpoints, **kwargs}
 
 
 def unpatch() -> None:
-    """Put back what ``gradients`` was in every module :func:`patch` changed.
+    """Give ``tf.gradients`` and its aliases TensorFlow's own functions back.
 
-    Restores the very objects (``tf.gradients is`` the function it was before
-    patching).  Does nothing when not patched.
+    What ``gradients`` was in every module :func:`patch` changed comes back
+    (the very objects: a user's own replacement too), except memsaving's
+    functions: wherever a module holds ``memsaving.gradients``,
+    ``gradients_memory``, ``gradients_speed`` or ``gradients_collection``
+    (the TF1 package's ``tf.__dict__["gradients"] = ...``, before or after
+    :func:`patch`), TensorFlow's function is put back instead.  Does nothing
+    when neither was done.
     """
     global _active
     with _lock:
         while _saved:
             module, previous = _saved.pop()
-            if previous is _MISSING:
-                delattr(module, "gradients")
-            else:
-                setattr(module, "gradients", previous)
+            setattr(module, "gradients", previous)
+        _take_back_memsaving_functions()
         _active = None
 
 

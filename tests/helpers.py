@@ -244,3 +244,42 @@ def in_a_fresh_process(module: str, function: str, *args, test_settings: bool = 
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, f"{module}.{function}{args} failed in its process:\n{done.stderr[-3000:]}"
     return json.loads(lines[-1][len("RESULT "):])
+
+
+TF1_NODE_ELEMENTS = 250_000
+"""float32 elements of one node of the TF1 package's test chains: 1 MB."""
+
+
+def tf1_tanh_chain(length: int, prefix: str = "a") -> list:
+    """The TF1 package's test chain, built in the default graph: ``a0`` is
+    1 MB of ones (a Fill op, computed at each run), ``a1`` ...
+    ``a{length-1}`` are tanh of the node before, 1 MB each."""
+    nodes = [tf.ones((TF1_NODE_ELEMENTS,), name=f"{prefix}0")]
+    for i in range(1, length):
+        nodes.append(tf.tanh(nodes[-1], name=f"{prefix}{i}"))
+    return nodes
+
+
+def tf1_session(graph: tf.Graph) -> tf.compat.v1.Session:
+    """A v1 session configured as the TF1 package's memory tests were:
+    graph optimizer at L0 and constant folding off, so the graph that runs
+    (and is measured) is the graph that was built."""
+    from tensorflow.core.protobuf import rewriter_config_pb2
+
+    v1 = tf.compat.v1
+    level = v1.OptimizerOptions(opt_level=v1.OptimizerOptions.L0)
+    config = v1.ConfigProto(graph_options=v1.GraphOptions(optimizer_options=level))
+    config.graph_options.rewrite_options.constant_folding = rewriter_config_pb2.RewriterConfig.OFF
+    return v1.Session(graph=graph, config=config)
+
+
+def session_peak(session: tf.compat.v1.Session, fetches) -> tuple:
+    """``(values, peak)``: ``fetches`` run twice, and the CPU allocator's
+    peak bytes during the second run (the first one warms up) above what
+    was in use before it (results an earlier run handed out and are still
+    held)."""
+    session.run(fetches)
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    values = session.run(fetches)
+    return values, int(tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)

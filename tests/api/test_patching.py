@@ -13,7 +13,9 @@ import tensorflow as tf
 from tensorflow.python.ops import gradients as tf_gradients_module
 
 import memsaving
+from helpers import in_a_fresh_process
 from memsaving.api import ORIGINAL_TF_COMPAT_V1_GRADIENTS, ORIGINAL_TF_GRADIENTS
+from tf1_idiom_programs import ORDERS
 
 DEPTH, WIDTH, BATCH = 20, 16, 4
 
@@ -121,6 +123,44 @@ def test_hand_patched_compat_v1_gradients_in_a_session():
         with tf.compat.v1.Session(graph=graph) as session:
             expected, got = session.run([reference, ours], {x: _inputs()})
     _assert_same(expected, got)
+
+
+# -- (a') the same idiom on tf.compat.v1, whose module wrapper caches lookups ---------------
+
+DROP_IN = ["gradients", "gradients_memory", "gradients_speed", "gradients_collection"]
+
+
+@pytest.mark.parametrize("function", DROP_IN)
+def test_idiom_on_compat_v1_takes_effect_after_a_lookup(function):
+    """TensorFlow's wrapper served the ``gradients`` its first lookup cached:
+    ``tf1.__dict__["gradients"] = ...`` was silently ignored before."""
+    import tensorflow.compat.v1 as tf1
+
+    replacement = getattr(memsaving, function)
+    assert tf1.gradients is ORIGINAL_TF_COMPAT_V1_GRADIENTS  # a lookup, as ``old = tf.gradients``
+    tf1.__dict__["gradients"] = replacement
+    assert tf1.gradients is replacement
+    assert tf.compat.v1.gradients is replacement
+    tf1.__dict__["gradients"] = ORIGINAL_TF_COMPAT_V1_GRADIENTS
+    assert tf1.gradients is ORIGINAL_TF_COMPAT_V1_GRADIENTS
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_idiom_on_compat_v1_in_any_import_order(order):
+    """Whether memsaving's functions load before or after tensorflow.compat.v1
+    is imported and read (a fresh process: the wrappers are per process)."""
+    assert in_a_fresh_process("tf1_idiom_programs", "idiom_takes_effect", order) == [True, True]
+
+
+def test_tf1_users_idiom_saves_memory_in_a_session():
+    """The TF1 package's usage on a 100-node chain of 1 MB tanh nodes in a v1
+    graph and session: memsaving builds the backward pass, its gradient is
+    TensorFlow's, and the session's peak is a fraction of TensorFlow's
+    (measured about 20.7 MB against 102 MB)."""
+    figures = in_a_fresh_process("tf1_idiom_programs", "tf1_user_program")
+    assert figures["memsaving_ops"] > 0, "tf.gradients did not go to memsaving"
+    assert figures["largest_difference"] <= 1e-6
+    assert figures["ours_peak"] < figures["plain_peak"] / 3, figures
 
 
 # -- (b) memsaving.patch(): callers that only know tf.gradients ----------------------------
@@ -323,3 +363,37 @@ def test_a_users_own_replacement_comes_back_after_unpatch():
     assert tf.gradients is not mine
     memsaving.unpatch()
     assert tf.gradients is mine
+
+
+def test_unpatch_takes_back_the_idiom():
+    tf.compat.v1.__dict__["gradients"] = memsaving.gradients_memory
+    tf.__dict__["gradients"] = memsaving.gradients_speed
+    memsaving.unpatch()
+    _assert_originals()
+
+
+@pytest.mark.parametrize("name", ["tf", "tf.compat.v1"])
+def test_unpatch_after_idiom_then_patch_restores_tensorflows_functions(name):
+    """unpatch() used to put the idiom's function back: memsaving stayed on."""
+    module = {"tf": tf, "tf.compat.v1": tf.compat.v1}[name]
+    module.__dict__["gradients"] = memsaving.gradients_memory
+    memsaving.patch()
+    assert "replaced by memsaving.patch(" in module.gradients.__doc__  # patch's function, not the idiom's
+    memsaving.unpatch()
+    _assert_originals()
+
+
+def test_unpatch_after_patch_then_idiom_restores_tensorflows_functions():
+    memsaving.patch()
+    tf.compat.v1.__dict__["gradients"] = memsaving.gradients_memory
+    tf.__dict__["gradients"] = memsaving.gradients
+    memsaving.unpatch()
+    _assert_originals()
+
+
+def test_unpatch_after_idiom_and_two_patches_restores_tensorflows_functions():
+    memsaving.patch("speed")
+    tf.compat.v1.__dict__["gradients"] = memsaving.gradients_collection
+    memsaving.patch("memory")
+    memsaving.unpatch()
+    _assert_originals()
