@@ -158,7 +158,10 @@ def keras_hub_backbone(kind: str) -> Callable[[bool], Case]:
                   "padding_mask": keras.Input((seq,), dtype="int32", name="padding_mask")}
         if kind == "bert":
             inputs["segment_ids"] = keras.Input((seq,), dtype="int32", name="segment_ids")
-        model = keras.Model(inputs, backbone(inputs)["sequence_output"], name=kind)
+        outputs = backbone(inputs)
+        if isinstance(outputs, dict):  # BERT returns its pooled output too
+            outputs = outputs["sequence_output"]
+        model = keras.Model(inputs, outputs, name=kind)
         data = {"token_ids": _tokens(batch, seq, 1000), "padding_mask": tf.ones([batch, seq], tf.int32)}
         if kind == "bert":
             data["segment_ids"] = tf.zeros([batch, seq], tf.int32)

@@ -24,6 +24,8 @@ from memsaving.tf.checkpoints import Checkpoints, resolve_checkpoints
 from memsaving.planners.modes import memory_proposal, speed_proposal
 from memsaving.errors import BudgetError, CheckpointError, PlanWarning, feasible_budget
 from memsaving import fit_budget as _calibration
+from memsaving.calibration import KNOWN_ERROR
+from memsaving.fit_budget import refusal
 from memsaving.tf.api_modules import stop_caching_gradients
 from memsaving.tf.extract import graph_model
 from memsaving.tf.forward import forward_graph, is_tensor_like, ops_made_in
@@ -503,11 +505,11 @@ def _plan(ys, xs, checkpoints, budget, options: Options, seeded_with_ones: bool 
     check_checkpoints_argument(checkpoints)
     fwd = forward_graph(xs, ys, list(options.gradient.stop_gradients))
     batch_size = options.planner.batch_size
-    # Under memsaving.fit_to_budget or a Keras calibration, plan for the budget minus the measured excess.
-    planned_for = _calibration.planning_budget(budget)
     profile = _profile_mode(options.planner.profile, checkpoints, budget)
     model = graph_model(fwd, batch_size=batch_size, profile=profile, seeded_with_ones=seeded_with_ones,
                         in_use_bytes=bytes_in_use(), rows=options.planner.split is not None)
+    # the budget less room for the model's known error, or a calibration's target (fit_to_budget, Keras)
+    planned_for = _calibration.planning_budget(budget, model.resident_bytes)
     or_lowest = _calibration.planning_or_lowest()
     key = _cache_key(model, checkpoints, planned_for, options, or_lowest)
     plan_ = remembered(key, model) if key is not None else None
@@ -517,19 +519,32 @@ def _plan(ys, xs, checkpoints, budget, options: Options, seeded_with_ones: bool 
                 with collector_paused():
                     fwd, plan_ = _plan_for_model(fwd, model, checkpoints, planned_for, options, or_lowest)
             except BudgetError as error:
+                if budget is not None and not _calibration.calibrating():
+                    error = _within_known_error(error, parse_bytes(budget), model.resident_bytes)
                 if key is not None:
                     remember(key, model, error)
-                raise
+                raise error from None
         plan_.planning_seconds = allowance.spent_seconds
         plan_.planning_stopped = options.planner.planning_time if allowance.stopped else None
         if key is not None:
             remember(key, model, plan_)
             plan_ = replace(plan_)  # the caller's copy: what is set below is not remembered
-    if planned_for is not budget:
+    if budget is not None:
         plan_.budget = parse_bytes(budget)  # the budget asked for; the predicted peak fits the lower one
     plan_.batch_size = batch_size
     plan_.batch_source = "batch_size=" if options.planner.batch_size_given else ""
     return fwd, plan_, model
+
+
+def _within_known_error(error: BudgetError, budget: int, resident: int) -> BudgetError:
+    """The planner's BudgetError for the budget less the known error, said
+    for the budget the user asked for: the smallest budget it gives is the
+    one the lowest plan found may run under."""
+    lowest = error.smallest_budget
+    if lowest is None or lowest <= resident:
+        return error
+    return refusal("memsaving.gradients", budget, lowest, resident, 1 + KNOWN_ERROR, headroom=0.0,
+                   how="budget= alone: nothing is measured, so the step is planned with room for it")
 
 
 def _cache_key(model, checkpoints, budget, options: Options, or_lowest: bool):

@@ -18,11 +18,12 @@ at their arguments) and sizes the plan for the batch the data will have (see
 :func:`data_batch_size`); the plan records it as ``plan.batch_size``, and
 where it came from as ``plan.batch_source``.
 
-With a ``budget``, the budget is made to hold as *measured*: the first steps
-run by each newly traced train function are measured on the allocator, and
-when a peak is above the budget the margin is raised by the excess and
-the step is traced (and planned) again, as :func:`memsaving.fit_to_budget`
-does for a hand-written step (see :class:`_Calibrator`).
+With a ``budget``, the budget is made to hold as *measured*, approached
+from below with the rule :func:`memsaving.fit_to_budget` follows
+(:mod:`memsaving.calibration`): the first plan leaves room for the model's
+known error, the first steps each newly traced train function runs are
+measured on the allocator, and the step is traced (and planned) again for
+a higher or lower plan until one uses the budget (see :class:`_Calibrator`).
 
 With ``offload_params=True`` the model's variables and the optimizer's
 state live on a host device (``offload_device``): they are moved there
@@ -38,22 +39,24 @@ import contextlib
 import inspect
 import logging
 import math
+import time
 import types
 import warnings
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from memsaving.planners.budget import format_bytes, parse_bytes
 from memsaving.errors import PeakMemoryUnavailableError
-from memsaving.fit_budget import (MEASURED_STEPS, Calibration, CalibrationRound, budget_margin, calibration_error,
-                                  next_margin, nothing_lower_to_try, planning_budget_for, predicted_figures,
-                                  why_nothing_fits)
+from memsaving.calibration import CalibrationRound, Calibrator, Next
+from memsaving.fit_budget import (MEASURED_STEPS, Calibration, calibration_error, planning_target, predicted_figures,
+                                  refusal, restore_variable)
 from memsaving.api import gradients_and_plan
 from memsaving.offload import offload_step, step_model
 from memsaving.tf.forward import ops_made_in
-from memsaving.tf.measure import default_device, peak_bytes, reset_peak
+from memsaving.tf.measure import bytes_in_use, default_device, peak_bytes, reset_peak
 from memsaving.tf.offload import OffloadOptions
 from memsaving.tf.placement import bytes_of, place_optimizer, place_variables, same_device
 from memsaving.planners.planning import Plan
@@ -104,17 +107,23 @@ def enable(
         print the plan's predicted peak when the step is traced, and
         one line per calibration round.
     calibration_rounds : int
-        with ``budget``, how many plans may be measured
-        above the budget in a row before ``memsaving.BudgetError`` is raised
-        (0: plan as predicted, never measure). The first four steps each
-        traced train function runs are measured with the allocator (the
-        highest peak counts; the whole device: weights, optimizer slots and
-        data count); when one is above the budget, the excess plus 2% of the
-        budget is taken off the budget the planner plans for and the step is
-        traced again for the next steps. Those steps are real training
-        steps. The error lists every round; its ``smallest_budget`` is the
-        lowest peak measured plus 2%. :func:`calibration_of` returns the rounds;
-        calling ``enable`` again starts a new calibration.
+        with ``budget``, how many plans are measured at most
+        (0: plan as predicted, never measure).  No step runs whose plan is
+        predicted over the budget, or under it by less than the known error
+        (the model's, then the one measured): such a budget is refused with
+        ``memsaving.BudgetError`` before the first step.  The first plan
+        leaves room for that error; the first three steps each traced train
+        function runs are measured with the allocator (the highest peak
+        counts; the whole device: weights, optimizer slots and data count),
+        and the step is traced again for a higher plan (the error measured
+        allows it) or a lower one (over the budget, less 2%), until a plan
+        uses 90% of the budget.  Those steps are real training steps.  A
+        step that runs out of memory while calibrating puts the variables
+        back as they were when ``fit`` began, and ``fit`` starts again on a
+        lower plan.  The error lists every round; its ``smallest_budget`` is
+        the lowest peak measured plus room for its variation.
+        :func:`calibration_of` returns the rounds; calling ``enable`` again
+        starts a new calibration.
     planning_time : float or None
         the seconds of simulation each plan may spend, as for
         :func:`memsaving.gradients` (default 30; None: no limit).
@@ -242,8 +251,8 @@ def calibration_of(model: keras.Model) -> Optional[Calibration]:
     """The measured calibration rounds of ``enable(model, budget=...)`` (None without a budget).
 
     ``.rounds`` lists, per measured plan, the budget it was planned for, its
-    predicted and its measured peak; ``.margin`` is what the planner takes
-    off the budget now; ``.fits`` says whether the last measured step fit.
+    predicted and its measured peak; ``.chosen`` is the round whose plan
+    runs once calibration is over; ``.fits`` says whether it fits.
     """
     settings = model.__dict__.get(_SETTINGS)
     calibrator = settings and settings.get("calibrator")
@@ -454,10 +463,47 @@ def _fit(self: keras.Model, *args, **kwargs):
             arguments["x"] = x
         _note_data_batch(self, batch, source, exact=True)
         _add_calibration_callback(self, bound)
-        return original(*bound.args, **bound.kwargs)
+        return _surviving_out_of_memory(self, lambda: original(*bound.args, **bound.kwargs))
     logger.warning("memsaving.keras: %s.fit has an unexpected signature; the plan's batch size is not "
                    "read from its arguments (pass enable(batch_size=N))", type(self).__name__)
     return original(self, *args, **kwargs)
+
+
+def _surviving_out_of_memory(model: keras.Model, run: Callable[[], Any]) -> Any:
+    """``run()`` (``fit``), run again on a lower plan when a step being
+    calibrated runs out of memory, with the model's, the optimizer's and the
+    metrics' variables put back as they were when it began.
+
+    A device raises ``ResourceExhaustedError`` when a step needs more than
+    it has: during calibration that is one more measurement (the plan is
+    over the budget), not the end of training.  Steps before the failed one
+    are undone with it, so ``fit`` starts again from its first step."""
+    calibrator = model.__dict__[_SETTINGS]["calibrator"]
+    if calibrator is None or calibrator.final or calibrator.off:
+        return run()
+    snapshot = [(v, np.array(v.numpy(), copy=True)) for v in _state_variables(model)]
+    while True:
+        try:
+            return run()
+        except tf.errors.ResourceExhaustedError:
+            if calibrator.final or calibrator.off:
+                raise
+            for variable, value in snapshot:
+                restore_variable(variable, value)
+            calibrator.out_of_memory(model)  # raises when nothing lower may run
+            _say(f"memsaving: {model.name}: a step ran out of memory during calibration; the variables are back "
+                 "as fit began, and fit runs again on a lower plan", model.__dict__[_SETTINGS])
+
+
+def _state_variables(model: keras.Model) -> List[tf.Variable]:
+    """The variables a training step changes: the model's, its optimizer's and its metrics'."""
+    found = list(model.variables)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and getattr(optimizer, "built", False):
+        found += list(optimizer.variables)
+    found += list(getattr(model, "metrics_variables", []))
+    unique = {id(v): v for v in found}
+    return [getattr(v, "value", v) if not isinstance(v, tf.Variable) else v for v in unique.values()]
 
 
 def _place(model: keras.Model, device: str) -> None:
@@ -503,49 +549,62 @@ def _train_on_batch(self: keras.Model, x, *args, **kwargs):
     calibrator = self.__dict__[_SETTINGS]["calibrator"]
     if calibrator is None:
         return type(self).train_on_batch(self, x, *args, **kwargs)
-    measuring = calibrator.begin_step(self)
-    result = type(self).train_on_batch(self, x, *args, **kwargs)
-    if measuring:
-        calibrator.end_step(self)
-    return result
+    def one_step():
+        measuring = calibrator.begin_step(self)
+        result = type(self).train_on_batch(self, x, *args, **kwargs)
+        if measuring:
+            calibrator.end_step(self)
+        return result
+
+    return _surviving_out_of_memory(self, one_step)
 
 
 class _Calibrator:
-    """Makes ``enable(model, budget=B)`` hold as measured.
+    """Makes ``enable(model, budget=B)`` hold as measured, from the first step
+    (the rule of :mod:`memsaving.calibration`, shared with
+    :func:`memsaving.fit_to_budget`).
 
-    At trace time the planner is given the current margin (it plans for
-    ``B - margin``) and the plans are noted.  The first steps run by a new
-    train function are measured: :meth:`begin_step` resets the allocator's
-    peak, :meth:`end_step` reads it.  At or under ``B`` for
-    :data:`MEASURED_STEPS` steps, nothing more is measured until Keras
-    builds another train function; above, the excess
-    plus 2% of ``B`` is added to the margin and the train function is
-    rebuilt, so the next step is traced and planned again.  ``max_rounds``
-    rounds above the budget in a row raise ``BudgetError``; when no plan fits
-    the lowered budget as predicted, the step takes the planner's lowest
-    plan, and raises if that one measures above ``B`` too.  Steps of a
-    train function already measured are left alone (the allocator's
-    statistics are not reset under them).
+    At trace time the planner plans for the calibration's target, which
+    leaves room for the model's known error before anything was measured
+    (:meth:`planning`); a trace whose plan may not run under that rule is
+    refused with ``BudgetError`` before its first step (:meth:`admit`).  The
+    first :data:`MEASURED_STEPS` steps of a new train function are measured
+    (:meth:`begin_step` resets the allocator's peak, :meth:`end_step` reads
+    it); the round then decides: climb to a higher plan, go lower, keep the
+    best plan measured, or raise.  A new plan means a new train function,
+    traced at the next step.  A step that runs out of memory ends ``fit``
+    with ``ResourceExhaustedError``; ``_fit`` then restores the variables as
+    they were when ``fit`` began, and runs ``fit`` again on a lower plan
+    (:meth:`out_of_memory`).
     """
 
     def __init__(self, budget: int, max_rounds: int):
+        self.engine = Calibrator(budget=budget, max_rounds=max_rounds)
         self.report = Calibration(budget=budget)
-        self.max_rounds = max_rounds
         self.plans: List[Plan] = []  # plans traced since the last measured step
-        self.over = 0  # rounds above the budget in a row
         self.device = default_device()
         self.measured_function: Any = None  # the last train function judged
         self.pending: Optional[Tuple[List[Plan], List[int]]] = None  # (plans, measured peaks) of the trace being measured
+        self.final = False  # the plan is chosen: nothing more to measure
         self.off = False
+        self.start = time.perf_counter()
 
-    @property
-    def margin(self) -> int:
-        """What the planner takes off the budget at the next trace."""
-        return self.report.margin
+    @contextlib.contextmanager
+    def planning(self):
+        """Enter around the planner's call in a trace: plan for the target."""
+        if self.engine.target is None:
+            self.engine.first_target(resident=bytes_in_use(self.device))
+        with planning_target(self.engine.target, or_lowest=True):
+            yield
 
-    def traced(self, plan: Plan) -> None:
-        """Note a plan made while tracing, and restart the allocator's peak: the trace runs inside
-        the step being measured, and what planning allocates (op profiling) is not the step's."""
+    def admit(self, model: keras.Model, plan: Plan) -> None:
+        """Note a plan made while tracing, and refuse one that may not run
+        (predicted over the budget, or under it by less than the known
+        error).  The allocator's peak restarts: what planning allocated
+        (profiling ops) is not the step's."""
+        if not self.engine.may_run(plan.predicted_peak, plan.resident_bytes):
+            raise refusal(f"memsaving.keras ({model.name})", self.engine.budget, plan.predicted_peak,
+                          plan.resident_bytes, self.engine.ratio, self.engine.rounds)
         self.plans.append(plan)
         if not self.off:
             try:
@@ -553,28 +612,11 @@ class _Calibrator:
             except PeakMemoryUnavailableError:
                 pass  # begin_step says so once, with what to do
 
-    def check_lowest(self, model: keras.Model, plan: Plan) -> None:
-        """Raise when a trace took the planner's lowest plan and it is predicted no lower than the
-        last plan measured: there is nothing lower left to try."""
-        rounds, budget = self.report.rounds, self.report.budget
-        if nothing_lower_to_try(rounds, planning_budget_for(budget, self.report.margin), plan.predicted_peak,
-                                plan.resident_bytes):
-            raise calibration_error(f"memsaving.keras ({model.name})", budget, rounds,
-                                    why_nothing_fits(budget, rounds, self.max_rounds), self.report)
-
-    @property
-    def or_lowest(self) -> bool:
-        """Whether a trace takes the planner's lowest plan for a lowered budget nothing fits as
-        predicted.  Not before the first round: fit_to_budget measures that plan there, but Keras
-        would train real steps of ``fit`` at a plan predicted over the user's budget, so the
-        planner's BudgetError is raised instead."""
-        return bool(self.report.rounds)
-
     def begin_step(self, model: keras.Model) -> bool:
         """Before a step: reset the allocator's peak if the step runs a train function not judged yet
         (or one traced again since)."""
         judged = model.train_function is not None and model.train_function is self.measured_function
-        if self.off or (judged and not self.plans and self.pending is None):
+        if self.off or (judged and not self.plans and self.pending is None) or (self.final and not self.plans):
             return False
         try:
             reset_peak(self.device)
@@ -586,11 +628,8 @@ class _Calibrator:
         return True
 
     def end_step(self, model: keras.Model) -> None:
-        """After a measured step: record a calibration round, replan or raise when over the budget.
-
-        A new trace is judged on its first :data:`MEASURED_STEPS` steps (the
-        highest peak among them), or on its first step when that one is
-        already over the budget."""
+        """After a measured step: record a round once :data:`MEASURED_STEPS` steps of
+        a new trace are measured (or at once when one is already over the budget)."""
         measured = peak_bytes(self.device)
         if self.plans:  # this step traced: a new round starts (an unfinished one is dropped)
             self.pending = (self.plans, [measured])
@@ -601,38 +640,54 @@ class _Calibrator:
             self.measured_function = model.train_function  # nothing memsaving planned was traced
             return
         plans, peaks = self.pending
-        if max(peaks) <= self.report.budget and len(peaks) < MEASURED_STEPS:
+        if self.final:
+            self.pending = None
+            self.measured_function = model.train_function
+            return
+        if max(peaks) <= self.engine.budget and len(peaks) < MEASURED_STEPS:
             return  # measure the next step of this train function too
         self.pending = None
         self.measured_function = model.train_function
-        self._judge(model, plans, peaks)
-
-    def _judge(self, model: keras.Model, plans: List[Plan], peaks: List[int]) -> None:
-        report = self.report
-        budget = report.budget
         predicted, resident = predicted_figures(plans)
-        current = CalibrationRound.from_peaks(planning_budget_for(budget, report.margin), predicted, peaks, resident)
-        measured = current.measured_peak
-        report.rounds.append(current)
+        self._judge(model, plans, CalibrationRound.from_peaks(self.engine.target, predicted, peaks, resident))
+
+    def out_of_memory(self, model: keras.Model) -> None:
+        """A step of the train function being measured ran out of memory."""
+        plans = self.pending[0] if self.pending is not None else self.plans
+        self.pending, self.plans = None, []
+        if not plans:
+            raise  # pylint: disable=misplaced-bare-raise
+        predicted, resident = predicted_figures(plans)
+        self._judge(model, plans, CalibrationRound(self.engine.target, predicted, self.engine.budget, 0, resident,
+                                                   out_of_memory=True))
+
+    def _judge(self, model: keras.Model, plans: List[Plan], current: CalibrationRound) -> None:
+        engine, report = self.engine, self.report
+        decision = engine.record(current)
         for plan in plans:
-            plan.measured_peak = measured
+            plan.measured_peak = current.measured_peak
+        report.rounds = list(engine.rounds)
         settings = model.__dict__[_SETTINGS]
-        line = f"memsaving: {model.name}: calibration round {len(report.rounds)}: {current.describe(budget)}"
-        if measured <= budget:
-            self.over = 0
-            report.plans = plans
+        line = (f"memsaving: {model.name}: calibration round {len(engine.rounds)}: "
+                f"{current.describe(engine.budget)}")
+        if decision is Next.FAIL:
             _say(line, settings)
+            raise calibration_error(f"memsaving.keras ({model.name})", engine.budget, engine)
+        if decision is Next.RETRACE:
+            _say(f"{line}; planning for {format_bytes(engine.target)} next", settings)
+            model.make_train_function(force=True)  # the next step traces, and plans, again
             return
-        self.over += 1
-        if current.lowest or self.over >= self.max_rounds:  # the lowest plan: no budget gives a lower one
-            _say(line, settings)
-            reason = (why_nothing_fits(budget, report.rounds, self.max_rounds) if current.lowest else
-                      f"the measured peak of the train step stays above the budget of {format_bytes(budget)} after "
-                      f"{self.over} round(s) in a row (enable(calibration_rounds={self.max_rounds})):")
-            raise calibration_error(f"memsaving.keras ({model.name})", budget, report.rounds, reason, self.report)
-        report.margin = next_margin(report.margin, measured, budget, current.predicted_peak)
-        _say(f"{line}; replanning for {format_bytes(planning_budget_for(budget, report.margin))}", settings)
-        model.make_train_function(force=True)  # the next step traces, and plans, again
+        report.chosen = engine.best
+        report.seconds = time.perf_counter() - self.start
+        self.final = True
+        if engine.best == len(engine.rounds) - 1:
+            report.plans = plans
+            _say(f"{line}; calibrated", settings)
+            return
+        best = engine.rounds[engine.best]
+        engine.target = best.planned_for
+        _say(f"{line}; back to the plan of round {engine.best + 1}", settings)
+        model.make_train_function(force=True)
 
 
 class _CalibrationCallback(keras.callbacks.Callback):
@@ -753,19 +808,16 @@ def _train_step(self: keras.Model, data):
         unknown_size, batch, source = _plan_batch(self, x, settings)
         calibrator = settings["calibrator"]
         graph = tf.compat.v1.get_default_graph()
-        with budget_margin(calibrator.margin, calibrator.or_lowest) if calibrator else contextlib.nullcontext(), \
-                ops_made_in(graph) as made:
+        with calibrator.planning() if calibrator else contextlib.nullcontext(), ops_made_in(graph) as made:
             grads, plan = gradients_and_plan(
                 loss, weights, checkpoints=settings["checkpoints"], budget=settings["budget"],
                 batch_size=unknown_size, swap=settings["swap"] or None,
                 planning_time=settings["planning_time"], split=settings["split"],
             )
-        if calibrator:
-            calibrator.check_lowest(self, plan)
         plan.batch_size = batch
         plan.batch_source = source
         if calibrator:
-            calibrator.traced(plan)
+            calibrator.admit(self, plan)
         with tf.device(offload.device) if offload is not None else contextlib.nullcontext():
             self.optimizer.apply_gradients(zip(grads, weights))
         if offload is not None:  # after the update: the optimizer's slots exist (a first step builds them)

@@ -1,0 +1,254 @@
+"""One rule for keeping a budget as *measured*, approached from below.
+
+A budget is the memory a device has: a step that goes over it is an
+out-of-memory error there, not a figure a little too high.  So a step runs
+only when its plan is predicted under the budget by more than the model's
+known error, and a calibration (``memsaving.fit_to_budget``, and
+``memsaving.keras.enable(model, budget=...)`` during ``fit``) climbs towards
+the budget from below:
+
+1. the first plan is made for a budget that leaves room for the known error
+   (:func:`safe_target`): a step whose memory is off by that much still fits;
+2. its step is measured, and the ratio of its measured to its predicted
+   step memory (:attr:`CalibrationRound.ratio`) replaces the prior error;
+3. the next plan is made for the budget that ratio allows, and measured in
+   turn, until a measured plan uses the budget (:data:`USED_ENOUGH`), the
+   next plan would not be higher, or the rounds run out.  A plan measured
+   over the budget (or failing with an out-of-memory error) sends the next
+   plan lower, and the best plan measured under it is kept.
+
+Step memory is a step's peak above its resident bytes (the memory in use
+before it: weights, optimizer slots, inputs): that is the part a plan
+changes, and the part whose prediction errs.
+
+:class:`Calibrator` holds the rule; its callers trace, run and measure.
+Nothing here touches TensorFlow.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import List, Optional, Sequence
+
+KNOWN_ERROR = 0.15
+"""How far a step's measured memory may be above its predicted memory
+before anything of the model was measured: the fraction of the predicted
+step memory (the peak above the resident bytes) that the first plan of a
+calibration, and a ``budget=`` plan that is never measured, leave free."""
+
+HEADROOM = 0.02
+"""Fraction of the budget a measured peak must stay under to count as
+fitting: the same step measured again later (other work having changed what
+the allocator holds) can read a little higher."""
+
+USED_ENOUGH = 0.90
+"""A measured plan at or above this fraction of the budget uses it: the
+calibration stops climbing (another round would cost a trace and several
+steps to recompute a little less)."""
+
+MIN_STEP_UP = 0.02
+"""A next plan is worth measuring only when its target is above the last
+measured plan's prediction by at least this fraction of the budget."""
+
+SLACK = 0.02
+"""Fraction of the budget a plan measured over it is undercut by when the
+next plan is made (beside what its measured ratio asks for)."""
+
+
+def room_needed(figure: int, spread: int, fraction: float = HEADROOM) -> int:
+    """Room for a step's run-to-run variation beside ``figure`` (bytes):
+    ``fraction`` of it, or ``spread`` (the highest less the lowest peak of
+    its measured runs) when that is larger.
+
+    Examples
+    --------
+    >>> room_needed(1000, 5), room_needed(1000, 50)
+    (20, 50)
+    """
+    return max(int(math.ceil(fraction * figure)), int(spread))
+
+
+def safe_target(budget: int, resident: int, ratio: float, headroom: float = HEADROOM) -> int:
+    """The budget to plan for so that a plan whose step memory is ``ratio``
+    times its prediction still stays under ``budget`` less ``headroom``.
+
+    Examples
+    --------
+    >>> safe_target(1000, 200, 1.0, 0.0), safe_target(1000, 200, 2.0, 0.0)
+    (1000, 600)
+    """
+    room = budget * (1 - headroom) - resident
+    return int(resident + max(room, 0) / max(ratio, 1e-9))
+
+
+def admissible(predicted: int, resident: int, budget: int, ratio: float, headroom: float = 0.0) -> bool:
+    """Whether a plan predicted at ``predicted`` may run: its step memory
+    times ``ratio`` (the known error, or the measured one) fits ``budget``
+    less ``headroom``.
+
+    Examples
+    --------
+    >>> admissible(800, 200, 1000, 1.15), admissible(900, 200, 1000, 1.15)
+    (True, False)
+    """
+    return resident + (predicted - resident) * ratio <= budget * (1 - headroom)
+
+
+@dataclass(frozen=True)
+class CalibrationRound:
+    """One measured trace of the step (bytes)."""
+
+    planned_for: int
+    """The budget the planner planned for."""
+    predicted_peak: int
+    """The largest predicted peak among the step's plans."""
+    measured_peak: int
+    """The allocator's peak during the step (everything on the device), the
+    highest of the round's runs; the budget when the step ran out of memory."""
+    spread: int = 0
+    """The highest less the lowest peak of the round's measured runs."""
+    resident: int = 0
+    """The resident bytes of the plan predicted highest."""
+    out_of_memory: bool = False
+    """A run failed with an out-of-memory error (the device's limit is the budget)."""
+
+    @classmethod
+    def from_peaks(cls, planned_for: int, predicted_peak: int, peaks: Sequence[int],
+                   resident: int = 0) -> "CalibrationRound":
+        """The round whose measured runs gave ``peaks``."""
+        return cls(planned_for, predicted_peak, max(peaks), max(peaks) - min(peaks), resident)
+
+    @property
+    def lowest(self) -> bool:
+        """The planner had no plan for ``planned_for`` and gave its lowest plan,
+        which no lower target changes."""
+        return self.predicted_peak > self.planned_for
+
+    @property
+    def ratio(self) -> float:
+        """Measured step memory over predicted step memory (a lower bound when
+        the step ran out of memory)."""
+        predicted = max(self.predicted_peak - self.resident, 1)
+        return max(self.measured_peak - self.resident, 0) / predicted
+
+    def fits(self, budget: int) -> bool:
+        """Measured under ``budget`` less the room the round's spread needs."""
+        return not self.out_of_memory and self.measured_peak <= budget - room_needed(budget, self.spread)
+
+    def describe(self, budget: int) -> str:
+        if self.out_of_memory:
+            verdict = "out of memory"
+        elif self.measured_peak <= budget:
+            verdict = "fits"
+        else:
+            verdict = "over"
+        planned = (f"no plan predicted under {_mib(self.planned_for)}: the lowest plan" if self.lowest
+                   else f"planned for {_mib(self.planned_for)}")
+        measured = "ran out of memory" if self.out_of_memory else f"measured {_mib(self.measured_peak)}"
+        return f"{planned}, predicted {_mib(self.predicted_peak)}, {measured} ({verdict})"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2 ** 20:.1f} MiB"
+
+
+class Next(str, Enum):
+    """What a calibration does after a round."""
+
+    RETRACE = "retrace"
+    """Trace the step again for :attr:`Calibrator.target` and measure it."""
+    DONE = "done"
+    """Keep the round :attr:`Calibrator.best` names."""
+    FAIL = "fail"
+    """Nothing measured fits: raise (:attr:`Calibrator.reason` says why)."""
+
+
+@dataclass
+class Calibrator:
+    """The climb towards a measured budget (see the module docstring).
+
+    Examples
+    --------
+    A step whose memory measures 0.9x its prediction: the first plan leaves
+    room for the known error, the second is made for the budget (less the
+    headroom) as predicted, and uses it.
+
+    >>> c = Calibrator(budget=1000, max_rounds=4)
+    >>> c.first_target(resident=200)
+    878
+    >>> c.record(CalibrationRound(878, 860, 794, resident=200))
+    <Next.RETRACE: 'retrace'>
+    >>> c.target
+    980
+    >>> c.record(CalibrationRound(980, 975, 898, resident=200))
+    <Next.DONE: 'done'>
+    >>> c.best
+    1
+    """
+
+    budget: int
+    max_rounds: int = 4
+    ratio: float = 1 + KNOWN_ERROR
+    """The step memory's measured / predicted ratio assumed for the next plan."""
+    rounds: List[CalibrationRound] = field(default_factory=list)
+    target: Optional[int] = None
+    """The budget the next trace plans for."""
+    best: Optional[int] = None
+    """Index in ``rounds`` of the best round that fits (the highest measured peak)."""
+    reason: str = ""
+
+    def first_target(self, resident: int) -> int:
+        """The target of the first trace: room for the known error."""
+        self.target = safe_target(self.budget, resident, self.ratio)
+        return self.target
+
+    def may_run(self, predicted: int, resident: int) -> bool:
+        """Whether a plan traced for :attr:`target` may run: predicted under the
+        budget by more than the error known so far."""
+        return admissible(predicted, resident, self.budget, self.ratio, HEADROOM)
+
+    def record(self, current: CalibrationRound) -> Next:
+        """Add a measured round and decide what comes next."""
+        self.rounds.append(current)
+        budget = self.budget
+        ratio = current.ratio
+        if current.fits(budget):
+            if self.best is None or current.measured_peak >= self.rounds[self.best].measured_peak:
+                self.best = len(self.rounds) - 1
+            # never below 1 when climbing: a plan predicted over the budget could meet the
+            # device's limit itself were its own ratio higher than this one's
+            self.ratio = max(ratio, 1.0)
+            if current.measured_peak >= USED_ENOUGH * budget or len(self.rounds) >= self.max_rounds:
+                return Next.DONE
+            target = safe_target(budget, current.resident, self.ratio)
+            if current.lowest or target < current.predicted_peak + MIN_STEP_UP * budget \
+                    or current.predicted_peak < current.planned_for - MIN_STEP_UP * budget:
+                # the planner's plan for more memory would be this one again
+                return Next.DONE
+            self.target = target
+            return Next.RETRACE
+        self.ratio = max(self.ratio, ratio)
+        if current.lowest:
+            return self._give_up("the planner's lowest plan measures over the budget")
+        if len(self.rounds) >= self.max_rounds:
+            return self._give_up(f"the measured peak stays over the budget after {self.max_rounds} round(s)")
+        lower = current.predicted_peak - (current.measured_peak - budget) - int(math.ceil(SLACK * budget))
+        self.target = min(safe_target(budget, current.resident, self.ratio), lower)
+        return Next.RETRACE
+
+    def _give_up(self, reason: str) -> Next:
+        if self.best is not None:
+            return Next.DONE
+        self.reason = reason
+        return Next.FAIL
+
+    def smallest_measured_budget(self) -> Optional[int]:
+        """A budget some measured round fits: its peak plus the room its
+        spread needs (None when nothing ran without running out of memory)."""
+        measured = [r for r in self.rounds if not r.out_of_memory]
+        if not measured:
+            return None
+        lowest = min(measured, key=lambda r: r.measured_peak)
+        return lowest.measured_peak + room_needed(lowest.measured_peak, lowest.spread)

@@ -1,0 +1,102 @@
+"""The calibration rule (memsaving.calibration) on scripted rounds: a budget
+approached from below, never run over as predicted."""
+
+import pytest
+
+from memsaving.calibration import (HEADROOM, KNOWN_ERROR, MIN_STEP_UP, SLACK, USED_ENOUGH, CalibrationRound,
+                                   Calibrator, Next, admissible, room_needed, safe_target)
+
+MiB = 2 ** 20
+BUDGET, RESIDENT = 100 * MiB, 20 * MiB
+
+
+def _round(calibrator, predicted, measured, out_of_memory=False, spread=0):
+    return CalibrationRound(calibrator.target, predicted, measured, spread, RESIDENT, out_of_memory)
+
+
+def test_the_first_plan_leaves_room_for_the_known_error():
+    c = Calibrator(BUDGET)
+    target = c.first_target(RESIDENT)
+    # a plan predicted at the target, whose step memory is the known error above its prediction,
+    # still fits the budget less the headroom
+    assert RESIDENT + (target - RESIDENT) * (1 + KNOWN_ERROR) <= BUDGET * (1 - HEADROOM) + 1
+    assert c.may_run(target, RESIDENT)
+    assert not c.may_run(target + MiB, RESIDENT)
+
+
+def test_a_plan_that_uses_the_budget_ends_calibration_in_one_round():
+    c = Calibrator(BUDGET)
+    c.first_target(RESIDENT)
+    assert c.record(_round(c, c.target, int(USED_ENOUGH * BUDGET) + 1)) is Next.DONE
+    assert c.best == 0
+
+
+def test_a_plan_measured_low_is_followed_by_a_higher_one_never_above_the_budget_as_predicted():
+    c = Calibrator(BUDGET)
+    first = c.first_target(RESIDENT)
+    low = RESIDENT + int(0.5 * (first - RESIDENT))  # measured half of its prediction
+    assert c.record(_round(c, first, low)) is Next.RETRACE
+    assert c.target > first
+    assert c.target == safe_target(BUDGET, RESIDENT, 1.0)  # the measured 0.5 is not trusted below 1
+    assert c.target <= BUDGET * (1 - HEADROOM)
+
+
+def test_a_plan_measured_over_the_budget_is_followed_by_a_lower_one_and_the_best_is_kept():
+    c = Calibrator(BUDGET)
+    first = c.first_target(RESIDENT)
+    assert c.record(_round(c, first, int(0.8 * BUDGET))) is Next.RETRACE  # fits, climbs
+    second = c.target
+    assert c.record(_round(c, second, BUDGET + 5 * MiB)) is Next.RETRACE  # over: lower
+    assert c.target <= second - 5 * MiB - int(SLACK * BUDGET)
+    assert c.target < second
+    # the third fits, but lower than the first: the first is the best
+    assert c.record(_round(c, c.target, int(0.75 * BUDGET))) in (Next.DONE, Next.RETRACE)
+    assert c.best == 0
+
+
+def test_an_out_of_memory_round_counts_as_over():
+    c = Calibrator(BUDGET)
+    first = c.first_target(RESIDENT)
+    decision = c.record(_round(c, first, BUDGET, out_of_memory=True))
+    assert decision is Next.RETRACE and c.target < first
+    assert not c.rounds[0].fits(BUDGET)
+    assert "out of memory" in c.rounds[0].describe(BUDGET)
+
+
+def test_the_lowest_plan_over_the_budget_fails_unless_something_fit():
+    c = Calibrator(BUDGET)
+    c.first_target(RESIDENT)
+    lowest = CalibrationRound(c.target, c.target + MiB, BUDGET + MiB, 0, RESIDENT)  # planner gave its lowest
+    assert lowest.lowest
+    assert c.record(lowest) is Next.FAIL
+    assert "lowest plan" in c.reason
+    assert c.smallest_measured_budget() == BUDGET + MiB + room_needed(BUDGET + MiB, 0)
+
+
+def test_rounds_run_out():
+    c = Calibrator(BUDGET, max_rounds=2)
+    c.first_target(RESIDENT)
+    assert c.record(_round(c, c.target, BUDGET + MiB)) is Next.RETRACE
+    assert c.record(_round(c, c.target, BUDGET + MiB)) is Next.FAIL
+
+
+def test_a_spread_wider_than_the_headroom_needs_that_room():
+    c = Calibrator(BUDGET)
+    c.first_target(RESIDENT)
+    steady = _round(c, c.target, int(0.97 * BUDGET), spread=0)
+    moving = _round(c, c.target, int(0.97 * BUDGET), spread=int(0.05 * BUDGET))
+    assert steady.fits(BUDGET) and not moving.fits(BUDGET)
+
+
+@pytest.mark.parametrize("ratio", [0.8, 1.0, 1.3])
+def test_admissible_and_safe_target_agree(ratio):
+    target = safe_target(BUDGET, RESIDENT, ratio, HEADROOM)
+    assert admissible(target, RESIDENT, BUDGET, ratio, HEADROOM)
+    assert not admissible(target + MiB, RESIDENT, BUDGET, ratio, HEADROOM)
+
+
+def test_no_climb_when_the_next_plan_would_not_be_higher():
+    c = Calibrator(BUDGET)
+    c.first_target(RESIDENT)
+    # the planner's plan is well under the target: more memory gives the same plan
+    assert c.record(_round(c, c.target - int(2 * MIN_STEP_UP * BUDGET), int(0.5 * BUDGET))) is Next.DONE
