@@ -14,19 +14,19 @@ Results are cached per (signature, device, TensorFlow version), in memory and
 in a JSON file under ``$MEMSAVING_CACHE_DIR`` (default
 ``~/.cache/memsaving``), so a model of fifty identical blocks profiles each
 block's signatures once, and a second run of the same model profiles none.
+What is read back is checked against limits set by each op's shapes
+(:mod:`memsaving.tf.profile_cache`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import platform
-import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -37,13 +37,11 @@ from tensorflow.python.ops import handle_data_util, resource_variable_ops
 
 from memsaving.tf.forward import ops_made_in
 from memsaving.tf.loop_pinning import pin_loop_iterations
+from memsaving.tf.profile_cache import OpProfile, ProfileCache, ProfileLimits
+from memsaving.tf.rows import static_shape
 from memsaving.model.progress import Progress
 
 logger = logging.getLogger("memsaving")
-
-FORMAT = 2
-"""Version of the measurement procedure and of the cache file; entries of
-another version are ignored."""
 
 FUNCTIONAL_OPS = frozenset({
     "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
@@ -74,59 +72,6 @@ LOOP_MEMORY_RUNS = 8
 SMALL = 1 << 20  # a function whose traffic is below this runs a few more times for timing
 
 
-@dataclass(frozen=True)
-class OpProfile:
-    """What one op signature needs beyond its tensors, measured on a device.
-
-    Attributes
-    ----------
-    temp_bytes : int
-        bytes the forward kernel holds while it runs beyond its
-        inputs and outputs.
-    grad_temp_bytes : int
-        bytes the op's gradient holds while it runs beyond
-        what the simulator counts there: the gradient's inputs (upstream
-        gradients, forward tensors it reads) and its results.
-    saved_bytes : int
-        bytes the forward op keeps for its gradient that are no
-        output of the forward graph (a loop's accumulated intermediates,
-        which building the gradient adds to the op).
-    output_bytes : tuple of int
-        bytes held by each output after the forward kernel ran;
-        the only way to size variant outputs (TensorLists).
-    seconds, grad_seconds : float or None
-        median run times of the forward op and of its
-        gradient (call overhead removed); None when not measured.
-    ok : bool
-        False when the op could not run alone; kept so that it is not
-        tried again.
-    """
-
-    temp_bytes: int = 0
-    grad_temp_bytes: int = 0
-    saved_bytes: int = 0
-    output_bytes: Tuple[int, ...] = ()
-    seconds: Optional[float] = None
-    grad_seconds: Optional[float] = None
-    ok: bool = True
-
-    def to_json(self) -> dict:
-        data = asdict(self)
-        data["output_bytes"] = list(self.output_bytes)
-        return data
-
-    @classmethod
-    def from_json(cls, data: dict) -> "OpProfile":
-        return cls(int(data.get("temp_bytes", 0)), int(data.get("grad_temp_bytes", 0)),
-                   int(data.get("saved_bytes", 0)), tuple(int(b) for b in data.get("output_bytes", ())),
-                   _optional_float(data.get("seconds")), _optional_float(data.get("grad_seconds")),
-                   bool(data.get("ok", True)))
-
-
-def _optional_float(value) -> Optional[float]:
-    return None if value is None else float(value)
-
-
 @dataclass
 class ProfileRun:
     """The profiles of one graph's ops and what it cost to get them.
@@ -142,6 +87,11 @@ class ProfileRun:
         signatures found in the memory or disk cache.
     missing : int
         signatures neither cached nor measured (cache-only runs).
+    rejected : int
+        signatures whose stored profile was implausible (a figure not a
+        finite non-negative number, or above its op's
+        :class:`~memsaving.tf.profile_cache.ProfileLimits`), hence
+        ignored: measured again, or missing in cache-only runs.
     seconds : float
         wall time spent, measuring included.
     """
@@ -150,6 +100,7 @@ class ProfileRun:
     measured: int = 0
     cached: int = 0
     missing: int = 0
+    rejected: int = 0
     seconds: float = 0.0
 
 
@@ -730,86 +681,9 @@ def _call_overhead() -> float:
 # ------------------------------------------------------------------------------------------ caching
 
 
-def cache_path() -> str:
-    """The JSON file holding profiles: ``$MEMSAVING_CACHE_DIR/profiles.json``,
-    by default under ``~/.cache/memsaving``."""
-    folder = os.environ.get("MEMSAVING_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "memsaving")
-    return os.path.join(folder, "profiles.json")
-
-
-def _read_file(path: str) -> Dict[str, OpProfile]:
-    """The profiles stored at ``path``; empty when the file is missing,
-    unreadable, corrupt or of another format (it is rewritten on save)."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            return {}
-        return {str(k): OpProfile.from_json(v) for k, v in data.get("profiles", {}).items()}
-    except (OSError, ValueError, TypeError, AttributeError) as err:
-        if os.path.exists(path):
-            logger.warning("memsaving: ignoring the unreadable profile cache %s (%s)", path, err)
-        return {}
-
-
-def _write_file(path: str, profiles: Dict[str, OpProfile]) -> None:
-    """Write ``profiles`` atomically: a temporary file in the same folder
-    replaces the old one, so readers never see half a file."""
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    data = {"format": FORMAT, "profiles": {k: v.to_json() for k, v in sorted(profiles.items())}}
-    fd, tmp = tempfile.mkstemp(prefix=".profiles-", suffix=".json", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(data, handle)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-class ProfileCache:
-    """Profiles by ``device key|signature``: in memory, backed by a file
-    read once and merged on every save (other processes may add to it)."""
-
-    def __init__(self):
-        self.entries: Dict[str, OpProfile] = {}
-        self._loaded: Optional[str] = None
-        self._lock = threading.Lock()
-
-    def _load(self) -> None:
-        path = cache_path()
-        if self._loaded != path:  # first use, or $MEMSAVING_CACHE_DIR changed: that file's profiles
-            self._loaded = path
-            self.entries = _read_file(path)
-
-    def get(self, key: str) -> Optional[OpProfile]:
-        with self._lock:
-            self._load()
-            return self.entries.get(key)
-
-    def put(self, new: Dict[str, OpProfile]) -> None:
-        """Add ``new`` and save (a failed save only loses the disk copy)."""
-        if not new:
-            return
-        with self._lock:
-            self._load()
-            self.entries.update(new)
-            path = cache_path()
-            try:
-                _write_file(path, {**_read_file(path), **new})
-            except OSError as err:
-                logger.warning("memsaving: could not save kernel profiles to %s (%s)", path, err)
-
-    def clear(self) -> None:
-        """Forget the in-memory copy (the file is read again when needed)."""
-        with self._lock:
-            self.entries = {}
-            self._loaded = None
-
-
 CACHE = ProfileCache()
+"""The process's profiles: measured here, or read from
+:func:`memsaving.tf.profile_cache.cache_path`."""
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -855,6 +729,7 @@ def _profile_into(run: ProfileRun, ops: Sequence[tf.Operation], batch_size: int,
                   cache: ProfileCache) -> None:
     recipes: Dict[str, _Recipe] = {}
     names: Dict[str, List[str]] = {}
+    limits: Dict[str, ProfileLimits] = {}
     with tf.init_scope():
         device = profile_device()
         prefix = device_key(device)
@@ -870,12 +745,17 @@ def _profile_into(run: ProfileRun, ops: Sequence[tf.Operation], batch_size: int,
         if recipe is None:
             continue
         key = f"{prefix}|{recipe.key}"
-        recipes.setdefault(key, recipe)
+        if key not in recipes:
+            recipes[key] = recipe
+            limits[key] = ProfileLimits.for_op(_io_bytes(op, batch_size), device)
         names.setdefault(key, []).append(op.name)
     found: Dict[str, OpProfile] = {}
     todo = []
     for key in names:
-        profile = cache.get(key)
+        profile, why_rejected = cache.get(key, limits[key])
+        if why_rejected is not None:
+            run.rejected += 1
+            logger.debug("memsaving profiles: ignoring the stored profile of %s: %s", key, why_rejected)
         if profile is not None:
             found[key] = profile
         else:
@@ -889,6 +769,27 @@ def _profile_into(run: ProfileRun, ops: Sequence[tf.Operation], batch_size: int,
         if profile.ok:
             for name in names[key]:
                 run.profiles[name] = profile
+
+
+def _io_bytes(op: tf.Operation, batch_size: int) -> Optional[int]:
+    """Bytes of ``op``'s inputs and outputs (a variable's value for its
+    handle), at the shapes its recipe feeds; None for loops and function
+    calls, whose memory their shapes do not bound, and for ops with a
+    tensor no static shape sizes (TensorLists, unknown ranks)."""
+    if op.type in FUNCTIONAL_OPS:
+        return None
+    total = 0
+    for t in (*op.inputs, *op.outputs):
+        dtype, shape = t.dtype.base_dtype, static_shape(t, batch_size)
+        if dtype == tf.resource:
+            try:
+                dtype, shape = _variable_spec(t, batch_size)
+            except _Unprofilable:
+                return None
+        if shape is None or dtype in (tf.variant, tf.string):
+            return None
+        total += int(np.prod(shape, dtype=np.int64)) * dtype.size
+    return total
 
 
 def _measure_all(todo: List[Tuple[str, _Recipe]], device: str, cache: ProfileCache) -> Dict[str, OpProfile]:

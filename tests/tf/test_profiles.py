@@ -17,7 +17,7 @@ import keras
 
 from helpers import in_a_fresh_process
 from memsaving.tools import models
-from memsaving.tf import profiles
+from memsaving.tf import profile_cache, profiles
 from memsaving.model.graph import GraphModel, OpInfo, TensorInfo, chain_model
 from memsaving.sim.replay import plain_schedule, simulate_schedule
 from memsaving.sim.actions import step_actions
@@ -122,15 +122,6 @@ def test_models_without_profiles_predict_as_before():
 
 
 # ------------------------------------------------------------------ measured (TensorFlow)
-
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    """A private profile cache: each test starts cold."""
-    monkeypatch.setenv("MEMSAVING_CACHE_DIR", str(tmp_path))
-    profiles.CACHE.clear()
-    yield tmp_path
-    profiles.CACHE.clear()
 
 
 def _plain_figures(model, x, batch, gradients=tf.gradients):
@@ -328,7 +319,7 @@ def test_placeholder_signatures_agree_with_recipes():
 
 
 def test_corrupt_cache_file_is_tolerated(cache_dir):
-    path = profiles.cache_path()
+    path = profile_cache.cache_path()
     assert path.startswith(str(cache_dir))
     with open(path, "w", encoding="utf-8") as handle:
         handle.write('{"format": 1, "profiles": {"x": ')  # cut short
