@@ -342,7 +342,8 @@ def fit_to_budget(
                               calibrator.rounds)
             if snapshot is None:
                 snapshot = [(v, np.array(v.numpy(), copy=True)) for v in concrete.variables]
-            current = _measured_round(step, args, kwargs, calibrator.target, predicted, resident, device, snapshot)
+            current = _measured_round(step, args, kwargs, calibrator.target, predicted, resident, budget_bytes,
+                                      device, snapshot)
             decision = calibrator.record(current)
             for plan in plans:
                 plan.measured_peak = current.measured_peak
@@ -367,8 +368,8 @@ def fit_to_budget(
                 restore_variable(variable, value)
 
 
-def _measured_round(step, args, kwargs, target: int, predicted: int, resident: int, device: Optional[str],
-                    snapshot: List[tuple]) -> CalibrationRound:
+def _measured_round(step, args, kwargs, target: int, predicted: int, resident: int, budget: int,
+                    device: Optional[str], snapshot: List[tuple]) -> CalibrationRound:
     """Run the step once (warm-up) and :data:`MEASURED_STEPS` times measured; a
     run that runs out of memory ends the round, and the variables are put
     back as they were before it."""
@@ -379,7 +380,8 @@ def _measured_round(step, args, kwargs, target: int, predicted: int, resident: i
     except tf.errors.ResourceExhaustedError:
         for variable, value in before:
             restore_variable(variable, value)
-        return CalibrationRound(target, predicted, max(predicted, 0), 0, resident, out_of_memory=True)
+        # the device's limit is the budget: the step needed at least that
+        return CalibrationRound(target, predicted, budget, 0, resident, out_of_memory=True)
     return CalibrationRound.from_peaks(target, predicted, peaks, resident)
 
 

@@ -54,6 +54,7 @@ TOP_LEVEL: Dict[str, str] = {
     "memsaving.api": "api",
     "memsaving.options": "api",
     "memsaving.fit_budget": "api",
+    "memsaving.calibration": "api",
     "memsaving.patching": "api",
     "memsaving.keras": "api",
     "memsaving.offload": "api",
