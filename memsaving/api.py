@@ -24,7 +24,7 @@ from memsaving.tf.checkpoints import Checkpoints, resolve_checkpoints
 from memsaving.planners.modes import memory_proposal, speed_proposal
 from memsaving.errors import BudgetError, CheckpointError, PlanWarning, feasible_budget
 from memsaving import fit_budget as _calibration
-from memsaving.calibration import KNOWN_ERROR
+from memsaving.planners.known_error import KNOWN_ERROR
 from memsaving.fit_budget import refusal
 from memsaving.tf.api_modules import stop_caching_gradients
 from memsaving.tf.extract import graph_model

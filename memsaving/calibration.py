@@ -32,11 +32,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import List, Optional, Sequence
 
-KNOWN_ERROR = 0.15
-"""How far a step's measured memory may be above its predicted memory
-before anything of the model was measured: the fraction of the predicted
-step memory (the peak above the resident bytes) that the first plan of a
-calibration, and a ``budget=`` plan that is never measured, leave free."""
+from memsaving.planners.known_error import KNOWN_ERROR, admissible, safe_target
 
 HEADROOM = 0.02
 """Fraction of the budget a measured peak must stay under to count as
@@ -68,32 +64,6 @@ def room_needed(figure: int, spread: int, fraction: float = HEADROOM) -> int:
     (20, 50)
     """
     return max(int(math.ceil(fraction * figure)), int(spread))
-
-
-def safe_target(budget: int, resident: int, ratio: float, headroom: float = HEADROOM) -> int:
-    """The budget to plan for so that a plan whose step memory is ``ratio``
-    times its prediction still stays under ``budget`` less ``headroom``.
-
-    Examples
-    --------
-    >>> safe_target(1000, 200, 1.0, 0.0), safe_target(1000, 200, 2.0, 0.0)
-    (1000, 600)
-    """
-    room = budget * (1 - headroom) - resident
-    return int(resident + max(room, 0) / max(ratio, 1e-9))
-
-
-def admissible(predicted: int, resident: int, budget: int, ratio: float, headroom: float = 0.0) -> bool:
-    """Whether a plan predicted at ``predicted`` may run: its step memory
-    times ``ratio`` (the known error, or the measured one) fits ``budget``
-    less ``headroom``.
-
-    Examples
-    --------
-    >>> admissible(800, 200, 1000, 1.15), admissible(900, 200, 1000, 1.15)
-    (True, False)
-    """
-    return resident + (predicted - resident) * ratio <= budget * (1 - headroom)
 
 
 @dataclass(frozen=True)
@@ -201,7 +171,7 @@ class Calibrator:
 
     def first_target(self, resident: int) -> int:
         """The target of the first trace: room for the known error."""
-        self.target = safe_target(self.budget, resident, self.ratio)
+        self.target = safe_target(self.budget, resident, self.ratio, HEADROOM)
         return self.target
 
     def may_run(self, predicted: int, resident: int) -> bool:
@@ -222,7 +192,7 @@ class Calibrator:
             self.ratio = max(ratio, 1.0)
             if current.measured_peak >= USED_ENOUGH * budget or len(self.rounds) >= self.max_rounds:
                 return Next.DONE
-            target = safe_target(budget, current.resident, self.ratio)
+            target = safe_target(budget, current.resident, self.ratio, HEADROOM)
             if current.lowest or target < current.predicted_peak + MIN_STEP_UP * budget \
                     or current.predicted_peak < current.planned_for - MIN_STEP_UP * budget:
                 # the planner's plan for more memory would be this one again
@@ -235,7 +205,7 @@ class Calibrator:
         if len(self.rounds) >= self.max_rounds:
             return self._give_up(f"the measured peak stays over the budget after {self.max_rounds} round(s)")
         lower = current.predicted_peak - (current.measured_peak - budget) - int(math.ceil(SLACK * budget))
-        self.target = min(safe_target(budget, current.resident, self.ratio), lower)
+        self.target = min(safe_target(budget, current.resident, self.ratio, HEADROOM), lower)
         return Next.RETRACE
 
     def _give_up(self, reason: str) -> Next:

@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Uni
 import numpy as np
 import tensorflow as tf
 
-from memsaving.calibration import (HEADROOM, KNOWN_ERROR, CalibrationRound, Calibrator, Next, admissible,
-                                   room_needed, safe_target)
+from memsaving.calibration import HEADROOM, CalibrationRound, Calibrator, Next
+from memsaving.planners.known_error import KNOWN_ERROR, needed_budget, safe_target
 from memsaving.errors import BudgetError
 from memsaving.planners.budget import format_bytes, parse_bytes
 from memsaving.planners.planning import Plan
@@ -85,7 +85,7 @@ def planning_budget(budget: Optional[Union[int, float, str]], resident: int) -> 
 
     Inside a calibration, its target.  Otherwise (``budget=`` alone, never
     measured) ``budget`` less room for the model's known error
-    (:data:`memsaving.calibration.KNOWN_ERROR` of the step memory above
+    (:data:`memsaving.planners.known_error.KNOWN_ERROR` of the step memory above
     ``resident``): a plan predicted that far under the budget still fits
     when its step memory is that much above its prediction.  None when no
     budget was given.
@@ -184,7 +184,7 @@ def refusal(what: str, budget: int, predicted: int, resident: int, ratio: float,
     (less ``headroom``), or under it by less than the error ``ratio`` says
     its step memory may be off by.  Its ``smallest_budget`` is the budget
     that plan would be allowed to run under."""
-    needed = int(np.ceil((resident + (predicted - resident) * ratio) / (1 - headroom)))
+    needed = needed_budget(predicted, resident, ratio, headroom)
     known = (f"the model's known error ({KNOWN_ERROR:.0%} of the step's memory{', ' + how if how else ''})"
              if not rounds else f"the error measured so far (x{ratio:.2f} of the step's predicted memory)")
     ran = "Nothing was run." if not rounds else "Nothing was run beyond the rounds below."
@@ -192,8 +192,8 @@ def refusal(what: str, budget: int, predicted: int, resident: int, ratio: float,
              f"than {known}: the lowest plan found is predicted at {format_bytes(predicted)}, "
              f"{format_bytes(resident)} of it in use before the step. {ran}"]
     lines += [f"  round {n}: {r.describe(budget)}" for n, r in enumerate(rounds, 1)]
-    lines.append(f"The smallest budget to ask for is {format_bytes(needed)} ({needed} bytes). Raise the budget "
-                 "to at least that, or reduce the batch size.")
+    lines.append(f"The smallest feasible budget (the one that plan may run under) is {format_bytes(needed)} "
+                 f"({needed} bytes). Raise the budget to at least that, or reduce the batch size.")
     error = BudgetError("\n".join(lines))
     error.calibration = Calibration(budget=budget, rounds=list(rounds))
     return error
@@ -208,7 +208,7 @@ def calibration_error(what: str, budget: int, calibrator: Calibrator) -> BudgetE
     lines += [f"  round {n}: {r.describe(budget)}" for n, r in enumerate(rounds, 1)]
     smallest = calibrator.smallest_measured_budget()
     if smallest is not None:
-        lines.append(f"The smallest budget to ask for is {format_bytes(smallest)} ({smallest} bytes): the lowest "
+        lines.append(f"The smallest feasible budget is {format_bytes(smallest)} ({smallest} bytes): the lowest "
                      "peak measured, plus room for its run-to-run variation. Raise the budget to at least that, "
                      "allow more rounds, or reduce the batch size.")
     else:
@@ -235,7 +235,7 @@ def fit_to_budget(
 
     The budget is the memory the device has: no step runs whose plan is
     predicted over it, and the first plan leaves room for the model's known
-    error (:data:`memsaving.calibration.KNOWN_ERROR` of the step's memory).
+    error (:data:`memsaving.planners.known_error.KNOWN_ERROR` of the step's memory).
 
     1. trace ``tf.function(step_fn)`` with ``args`` / ``kwargs``, every
        ``memsaving.gradients(..., budget=...)`` in it planning for that room;
@@ -333,7 +333,7 @@ def fit_to_budget(
             if not calibrator.may_run(predicted, resident):
                 if calibrator.best is not None:
                     break  # a higher plan may not run: keep the best measured
-                retarget = safe_target(budget_bytes, resident, calibrator.ratio)
+                retarget = safe_target(budget_bytes, resident, calibrator.ratio, HEADROOM)
                 if predicted <= calibrator.target and retarget < calibrator.target:
                     # planned for a target made with less memory in use than the step found: plan again
                     calibrator.target = retarget

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, TextIO, Tuple
 
 from memsaving.model.graph import GraphModel
+from memsaving.planners.known_error import needed_budget
 from memsaving.model.splitting import SplitRegion
 from memsaving.model.schedule import Inner, RECOMPUTING, UnitKind, backward_units, kept_set, validate_inner
 from memsaving.sim.offload import OffloadPrediction
@@ -148,6 +149,15 @@ class Plan:
     device's predicted peak and step time (:mod:`memsaving.sim.offload`).
     ``predicted_peak`` stays the plan's peak with the variables on the
     device."""
+
+    @property
+    def needed_budget(self) -> int:
+        """The smallest ``budget=`` under which this plan may run: its
+        predicted peak with room for the model's known error
+        (:mod:`memsaving.planners.known_error`).  A budget below it gets a
+        ``BudgetError`` before anything runs, though the plan is predicted
+        under it: a device's memory is a hard limit, and predictions err."""
+        return needed_budget(self.predicted_peak, self.resident_bytes)
 
     @property
     def above_plain(self) -> bool:

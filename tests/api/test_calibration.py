@@ -3,8 +3,9 @@ approached from below, never run over as predicted."""
 
 import pytest
 
-from memsaving.calibration import (HEADROOM, KNOWN_ERROR, MIN_STEP_UP, SLACK, USED_ENOUGH, CalibrationRound,
-                                   Calibrator, Next, admissible, room_needed, safe_target)
+from memsaving.calibration import (HEADROOM, MIN_STEP_UP, SLACK, USED_ENOUGH, CalibrationRound, Calibrator, Next,
+                                   room_needed)
+from memsaving.planners.known_error import KNOWN_ERROR, admissible, safe_target
 
 MiB = 2 ** 20
 BUDGET, RESIDENT = 100 * MiB, 20 * MiB
@@ -37,7 +38,7 @@ def test_a_plan_measured_low_is_followed_by_a_higher_one_never_above_the_budget_
     low = RESIDENT + int(0.5 * (first - RESIDENT))  # measured half of its prediction
     assert c.record(_round(c, first, low)) is Next.RETRACE
     assert c.target > first
-    assert c.target == safe_target(BUDGET, RESIDENT, 1.0)  # the measured 0.5 is not trusted below 1
+    assert c.target == safe_target(BUDGET, RESIDENT, 1.0, HEADROOM)  # the measured 0.5 is not trusted below 1
     assert c.target <= BUDGET * (1 - HEADROOM)
 
 

@@ -59,9 +59,9 @@ def test_strategy_run_with_keras_model_and_optimizer(checkpoints):
             if not use_memsaving:
                 grads = tf.gradients(loss, ws)
             elif checkpoints == "budget":
-                # a budget memory mode's plan meets: feasible, and below plain, so something is recomputed
-                # (a BudgetError's smallest_budget can be plain's peak when the search finds little)
-                budget = memsaving.plan(loss, ws, checkpoints="memory").predicted_peak
+                # a budget memory mode's plan may run under: feasible, and below plain, so something is
+                # recomputed (a BudgetError's smallest_budget can be plain's when the search finds little)
+                budget = memsaving.plan(loss, ws, checkpoints="memory").needed_budget
                 grads = memsaving.gradients(loss, ws, budget=budget, checkpoints="memory")
             else:
                 grads = memsaving.gradients(loss, ws, checkpoints=checkpoints)

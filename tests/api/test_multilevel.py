@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import memsaving
+from memsaving.planners.known_error import needed_budget
 from helpers import assert_close, in_a_fresh_process
 
 WIDTH, BATCH, DEPTH = 64, 512, 64
@@ -52,15 +53,17 @@ def multilevel_figures() -> dict:
     memory_run.get_concrete_function(x)
     resident = plans["memory"].resident_bytes
     activations = plans["memory"].plain_peak - resident
-    budget = resident + int(0.12 * activations)
-    assert plans["memory"].predicted_peak > budget, "the budget must be below the single-level plan"
+    # a budget= plan leaves room for the known error: plan for 12% of the activations
+    target = resident + int(0.12 * activations)
+    budget = needed_budget(target, resident)
+    assert plans["memory"].predicted_peak > target, "the target must be below the single-level plan"
 
     tight_run, tight_grads = step("tight", budget=budget)
     tight_run.get_concrete_function(x)
     tight_grads.get_concrete_function(x)
     plan = plans["tight"]
     assert plan.inner_checkpoints, "expected a multi-level plan"
-    assert plan.predicted_peak <= budget
+    assert plan.predicted_peak <= target + 1
     assert "inner checkpoints (multi-level)" in plan.table()
 
     @tf.function

@@ -305,7 +305,7 @@ def test_auto_split_under_a_budget_only_when_needed():
     def step(x, labels):
         loss, _ = _loss(model, x, labels)
         lowest, tight_budget = _lowest_and_tight(loss, model)
-        roomy = memsaving.plan(loss, model.trainable_variables, budget=lowest.predicted_peak, split="auto",
+        roomy = memsaving.plan(loss, model.trainable_variables, budget=lowest.needed_budget, split="auto",
                                profile=False)
         tight = memsaving.plan(loss, model.trainable_variables, budget=tight_budget, split="auto", profile=False)
         found.update(lowest=lowest, roomy=roomy, tight=tight, budget=tight_budget)
@@ -323,7 +323,7 @@ def test_auto_split_in_a_calibration_splits_before_it_takes_the_lowest_plan():
     """fit_to_budget asks for the lowest plan when none fits (or_lowest):
     split="auto" must still split to fit first, and give the lowest split
     when even that does not fit, not the unsplit plan that fits nothing."""
-    from memsaving.fit_budget import budget_margin  # pylint: disable=import-outside-toplevel
+    from memsaving.fit_budget import planning_target  # pylint: disable=import-outside-toplevel
 
     model, x, labels = _lm_head(batch=2, seq=64, width=16, vocab=2048)
     found = {}
@@ -332,7 +332,7 @@ def test_auto_split_in_a_calibration_splits_before_it_takes_the_lowest_plan():
     def step(x, labels):
         loss, _ = _loss(model, x, labels)
         lowest, tight = _lowest_and_tight(loss, model)
-        with budget_margin(0, or_lowest=True):
+        with planning_target(None, or_lowest=True):
             found["fits"] = memsaving.plan(loss, model.trainable_variables, budget=tight, split="auto",
                                            profile=False)
             found["nothing fits"] = memsaving.plan(loss, model.trainable_variables, budget=lowest.resident_bytes,
@@ -350,7 +350,7 @@ def _lowest_split_of_a_gpt_in_a_calibration():
     """Gradients (``memsaving.gradients``' and ``tf.gradients``') of bench_split's
     quick GPT with a one-byte budget in a calibration (or_lowest): nothing fits,
     so it gets the lowest split plan found."""
-    from memsaving.fit_budget import budget_margin  # pylint: disable=import-outside-toplevel
+    from memsaving.fit_budget import planning_target  # pylint: disable=import-outside-toplevel
     from memsaving.tools import models  # pylint: disable=import-outside-toplevel
 
     keras.utils.set_random_seed(3)
@@ -361,7 +361,7 @@ def _lowest_split_of_a_gpt_in_a_calibration():
     def step(tokens):
         logits = model(tokens[:, :-1], training=True)
         loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(tokens[:, 1:], logits, from_logits=True))
-        with budget_margin(0, or_lowest=True):
+        with planning_target(None, or_lowest=True):
             # no planning time limit: the same plan however fast the machine
             ours = memsaving.gradients(loss, model.trainable_variables, checkpoints="memory", split="auto",
                                        budget=1, profile=False, planning_time=None)

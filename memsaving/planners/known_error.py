@@ -1,0 +1,59 @@
+"""How far a prediction may be from the step it predicts, and what that
+means for a budget.
+
+A budget is the memory a device has, so a plan may run only when its
+predicted peak stays under the budget even if the step's memory (its peak
+above the resident bytes: weights, optimizer slots, inputs, what the device
+held while planning) is :data:`KNOWN_ERROR` above the prediction.  A
+calibration replaces that prior with the error it measures
+(:mod:`memsaving.calibration`).
+"""
+
+from __future__ import annotations
+
+import math
+
+KNOWN_ERROR = 0.15
+"""How far a step's measured memory may be above its predicted memory
+before anything of the model was measured, as a fraction of the predicted
+step memory (the peak above the resident bytes)."""
+
+
+def safe_target(budget: int, resident: int, ratio: float, headroom: float = 0.0) -> int:
+    """The budget to plan for so that a plan whose step memory is ``ratio``
+    times its prediction still stays under ``budget`` less ``headroom``
+    (a fraction of it).
+
+    Examples
+    --------
+    >>> safe_target(1000, 200, 1.0), safe_target(1000, 200, 2.0)
+    (1000, 600)
+    """
+    room = budget * (1 - headroom) - resident
+    return int(resident + max(room, 0) / max(ratio, 1e-9))
+
+
+def admissible(predicted: int, resident: int, budget: int, ratio: float, headroom: float = 0.0) -> bool:
+    """Whether a plan predicted at ``predicted`` may run under ``budget``:
+    its step memory times ``ratio`` fits ``budget`` less ``headroom``.
+
+    Examples
+    --------
+    >>> admissible(800, 200, 1000, 1.15), admissible(900, 200, 1000, 1.15)
+    (True, False)
+    """
+    return resident + (predicted - resident) * ratio <= budget * (1 - headroom)
+
+
+def needed_budget(predicted: int, resident: int, ratio: float = 1 + KNOWN_ERROR, headroom: float = 0.0) -> int:
+    """The smallest budget under which a plan predicted at ``predicted`` may
+    run (:func:`admissible`).
+
+    Examples
+    --------
+    >>> needed_budget(800, 200)
+    890
+    >>> admissible(needed_budget(800, 200), 200, needed_budget(800, 200), 1.0)
+    True
+    """
+    return int(math.ceil((resident + max(predicted - resident, 0) * ratio) / (1 - headroom)))
