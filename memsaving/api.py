@@ -8,6 +8,7 @@ memory held during backprop (and the compute spent) change.
 
 from __future__ import annotations
 
+import gc
 import logging
 import warnings
 from dataclasses import replace
@@ -19,7 +20,7 @@ from tensorflow.python.ops import control_flow_util, resource_variable_ops
 from tensorflow.python.ops import gradients_impl as _gradients_impl
 
 from memsaving.candidates import cuts as candidates
-from memsaving.planners.budget import format_bytes, parse_bytes, plan_for_budget
+from memsaving.planners.budget import no_plan_fits, parse_bytes, plan_for_budget
 from memsaving.tf.checkpoints import Checkpoints, resolve_checkpoints
 from memsaving.planners.modes import memory_proposal, speed_proposal
 from memsaving.errors import BudgetError, CheckpointError, feasible_budget
@@ -479,18 +480,20 @@ def _profile_mode(profile, checkpoints, budget) -> str:
     return "measure" if profile else "off"
 
 
-def _plan(ys, xs, checkpoints, budget, options: Options, seeded_with_ones: bool = True) -> tuple:
+def _plan(ys, xs, checkpoints, budget, options: Options, seeded_with_ones: bool = True,
+          shown: bool = False) -> tuple:
     """Forward graph, plan and the graph model it was made on, shared by
     ``gradients`` and ``plan`` (``seeded_with_ones``: no ``grad_ys`` were
-    given)."""
+    given; ``shown``: the plan is made to be shown, by ``plan``)."""
     check_checkpoints_argument(checkpoints)
     fwd = forward_graph(xs, ys, list(options.gradient.stop_gradients))
     batch_size = options.planner.batch_size
     # Under memsaving.fit_to_budget or a Keras calibration, plan for the budget minus the measured excess.
     planned_for = _calibration.planning_budget(budget)
     profile = _profile_mode(options.planner.profile, checkpoints, budget)
+    in_use = _in_use_before_the_step(collect=budget is not None or shown)
     model = graph_model(fwd, batch_size=batch_size, profile=profile, seeded_with_ones=seeded_with_ones,
-                        in_use_bytes=bytes_in_use(), rows=options.planner.split is not None)
+                        in_use_bytes=in_use, rows=options.planner.split is not None)
     or_lowest = _calibration.planning_or_lowest()
     key = _cache_key(model, checkpoints, planned_for, options, or_lowest)
     plan_ = remembered(key, model) if key is not None else None
@@ -513,6 +516,24 @@ def _plan(ys, xs, checkpoints, budget, options: Options, seeded_with_ones: bool 
     plan_.batch_size = batch_size
     plan_.batch_source = "batch_size=" if options.planner.batch_size_given else ""
     return fwd, plan_, model
+
+
+def _in_use_before_the_step(collect: bool) -> int:
+    """The bytes the device holds now, which every predicted peak counts;
+    with ``collect``, after collecting garbage (even with the collector off).
+
+    Objects no longer reachable but not yet collected (steps traced, run and
+    dropped, the frames of an error caught and let go) can hold device
+    memory until a collection: counted, they would move every prediction by
+    whatever garbage happened to wait, from one trace of the same step to
+    the next, and the smallest budget a BudgetError reported could be
+    refused when the step is traced again.  Collected here, that memory is
+    free when the step runs.  A collection walks the whole heap (0.3-0.6 s
+    once TensorFlow and a model are loaded), so it is made where the figure
+    decides what fits (a budget) or is asked for (``plan``) only."""
+    if collect:
+        gc.collect()
+    return bytes_in_use()
 
 
 def _cache_key(model, checkpoints, budget, options: Options, or_lowest: bool):
@@ -605,9 +626,7 @@ def _unsplit_plan(fwd, model, checkpoints, budget, options: Options, or_lowest: 
         # the step between xs and ys is split regions only: nothing left to choose
         plan_ = make_plan(model, [], "budget", budget=budget_bytes, keep_x_gradients=keep_x)
         if plan_.predicted_peak > budget_bytes and not or_lowest:
-            floor = feasible_budget(plan_.predicted_peak)
-            raise BudgetError(f"no plan fits the budget of {format_bytes(budget_bytes)}; the smallest feasible "
-                              f"budget found is {format_bytes(floor)} ({floor} bytes) with these split regions")
+            raise no_plan_fits("plan", budget_bytes, feasible_budget(plan_.predicted_peak), " with these split regions")
         return fwd, plan_
     if not pool:
         raise CheckpointError(
@@ -720,7 +739,7 @@ def plan(
                              "keep_x_gradients": keep_x_gradients, "profile": True if profile is None else profile,
                              "planning_time": planning_time, "split": split, **swap_kwargs})
     ys, xs = _graph_tensors(ys, xs)
-    return _plan(ys, xs, checkpoints, budget, options)[1]
+    return _plan(ys, xs, checkpoints, budget, options, shown=True)[1]
 
 
 def gradients_speed(ys, xs, grad_ys=None, **kwargs) -> list:

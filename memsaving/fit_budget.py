@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Uni
 import numpy as np
 import tensorflow as tf
 
-from memsaving.planners.budget import format_bytes, parse_bytes
+from memsaving.planners.budget import exact_bytes, format_bytes, parse_bytes
 from memsaving.errors import BudgetError
 from memsaving.tf.measure import bytes_in_use, measure_peak
 from memsaving.planners.planning import Plan
@@ -314,9 +314,7 @@ def calibration_error(what: str, budget: int, rounds: Sequence[CalibrationRound]
 
     Used by :func:`fit_to_budget` and by ``memsaving.keras``' calibration.
 
-    That budget (None when nothing was measured) is the only figure in the
-    message written as ``(N bytes)``, the form ``BudgetError.smallest_budget``
-    reads.
+    That budget (None when nothing was measured) is stored with the error.
     ``calibration``, when given, is attached as ``error.calibration``.
     """
     lines = [f"{what}: {reason}"]
@@ -328,13 +326,13 @@ def calibration_error(what: str, budget: int, rounds: Sequence[CalibrationRound]
         held = (f", and {TRACES_AHEAD} x {format_bytes(held_per_trace)}: the device held that much more per "
                 "trace of the step after calibration than before it (tensors kept by the model or by "
                 "TensorFlow's caches), and a calibration traces the step again" if held_per_trace > 0 else "")
-        lines.append(f"The smallest budget to ask for is {format_bytes(smallest)} ({smallest} bytes): the lowest "
+        lines.append(f"The smallest budget to ask for is {exact_bytes(smallest)}: the lowest "
                      f"peak measured, {format_bytes(rounds[best].measured_peak)} in round {best + 1}, plus "
                      f"{SLACK:.0%} for the run-to-run variation of a step's peak{held}. Raise the budget to at "
                      "least that, allow more rounds, or reduce the batch size.")
     else:
         lines.append("Raise the budget or reduce the batch size.")
-    error = BudgetError("\n".join(lines))
+    error = BudgetError.carrying("\n".join(lines), smallest)
     error.calibration = calibration
     return error
 
@@ -506,7 +504,7 @@ def why_nothing_fits(budget: int, rounds: Sequence[CalibrationRound], max_rounds
     """Why a calibration found nothing that fits ``budget`` as measured, for its BudgetError
     (also used by ``memsaving.keras``; its own message says when its rounds ran out)."""
     if rounds and rounds[0].lowest:
-        return (f"no plan fits the budget of {format_bytes(budget)} even as predicted, and the lowest plan "
+        return (f"no plan fits the budget of {exact_bytes(budget)} even as predicted, and the lowest plan "
                 "the planner finds measures above it:")
     if rounds and rounds[-1].lowest:
         return ("to leave room for the measured excess the planner must plan below its lowest plan, "
@@ -514,7 +512,7 @@ def why_nothing_fits(budget: int, rounds: Sequence[CalibrationRound], max_rounds
     if len(rounds) < max_rounds:
         return ("to leave room for the measured excess the planner must plan lower, and its lowest plan "
                 "is no lower than the last one measured. Measured so far:")
-    return (f"the step's measured peak stays above the budget of {format_bytes(budget)} after "
+    return (f"the step's measured peak stays above the budget of {exact_bytes(budget)} after "
             f"{max_rounds} round(s) (max_rounds={max_rounds}):")
 
 
