@@ -8,6 +8,7 @@ memory held during backprop (and the compute spent) change.
 
 from __future__ import annotations
 
+import gc
 import logging
 import warnings
 from dataclasses import replace
@@ -19,7 +20,7 @@ from tensorflow.python.ops import control_flow_util, resource_variable_ops
 from tensorflow.python.ops import gradients_impl as _gradients_impl
 
 from memsaving.candidates import cuts as candidates
-from memsaving.planners.budget import format_bytes, parse_bytes, plan_for_budget
+from memsaving.planners.budget import no_plan_fits, parse_bytes, plan_for_budget
 from memsaving.tf.checkpoints import Checkpoints, resolve_checkpoints
 from memsaving.planners.modes import memory_proposal, speed_proposal
 from memsaving.errors import BudgetError, CheckpointError, PlanWarning, feasible_budget
@@ -498,16 +499,18 @@ def _profile_mode(profile, checkpoints, budget) -> str:
     return "measure" if profile else "off"
 
 
-def _plan(ys, xs, checkpoints, budget, options: Options, seeded_with_ones: bool = True) -> tuple:
+def _plan(ys, xs, checkpoints, budget, options: Options, seeded_with_ones: bool = True,
+          shown: bool = False) -> tuple:
     """Forward graph, plan and the graph model it was made on, shared by
     ``gradients`` and ``plan`` (``seeded_with_ones``: no ``grad_ys`` were
-    given)."""
+    given; ``shown``: the plan is made to be shown, by ``plan``)."""
     check_checkpoints_argument(checkpoints)
     fwd = forward_graph(xs, ys, list(options.gradient.stop_gradients))
     batch_size = options.planner.batch_size
     profile = _profile_mode(options.planner.profile, checkpoints, budget)
+    in_use = _in_use_before_the_step(collect=budget is not None or shown)
     model = graph_model(fwd, batch_size=batch_size, profile=profile, seeded_with_ones=seeded_with_ones,
-                        in_use_bytes=bytes_in_use(), rows=options.planner.split is not None)
+                        in_use_bytes=in_use, rows=options.planner.split is not None)
     # the budget less room for the model's known error, or a calibration's target (fit_to_budget, Keras)
     planned_for = _calibration.planning_budget(budget, model.resident_bytes)
     or_lowest = _calibration.planning_or_lowest()
@@ -545,6 +548,24 @@ def _within_known_error(error: BudgetError, budget: int, resident: int) -> Budge
         return error
     return refusal("memsaving.gradients", budget, lowest, resident, 1 + KNOWN_ERROR, headroom=0.0,
                    how="budget= alone: nothing is measured, so the step is planned with room for it")
+
+
+def _in_use_before_the_step(collect: bool) -> int:
+    """The bytes the device holds now, which every predicted peak counts;
+    with ``collect``, after collecting garbage (even with the collector off).
+
+    Objects no longer reachable but not yet collected (steps traced, run and
+    dropped, the frames of an error caught and let go) can hold device
+    memory until a collection: counted, they would move every prediction by
+    whatever garbage happened to wait, from one trace of the same step to
+    the next, and the smallest budget a BudgetError reported could be
+    refused when the step is traced again.  Collected here, that memory is
+    free when the step runs.  A collection walks the whole heap (0.3-0.6 s
+    once TensorFlow and a model are loaded), so it is made where the figure
+    decides what fits (a budget) or is asked for (``plan``) only."""
+    if collect:
+        gc.collect()
+    return bytes_in_use()
 
 
 def _cache_key(model, checkpoints, budget, options: Options, or_lowest: bool):
@@ -635,9 +656,7 @@ def _unsplit_plan(fwd, model, checkpoints, budget, options: Options, or_lowest: 
         # the step between xs and ys is split regions only: nothing left to choose
         plan_ = make_plan(model, [], "budget", budget=budget_bytes, keep_x_gradients=keep_x)
         if plan_.predicted_peak > budget_bytes and not or_lowest:
-            floor = feasible_budget(plan_.predicted_peak)
-            raise BudgetError(f"no plan fits the budget of {format_bytes(budget_bytes)}; the smallest feasible "
-                              f"budget found is {format_bytes(floor)} ({floor} bytes) with these split regions")
+            raise no_plan_fits("plan", budget_bytes, feasible_budget(plan_.predicted_peak), " with these split regions")
         return fwd, plan_
     if not pool:
         raise CheckpointError(
@@ -750,7 +769,7 @@ def plan(
                              "keep_x_gradients": keep_x_gradients, "profile": True if profile is None else profile,
                              "planning_time": planning_time, "split": split, **swap_kwargs})
     ys, xs = _graph_tensors(ys, xs)
-    return _plan(ys, xs, checkpoints, budget, options)[1]
+    return _plan(ys, xs, checkpoints, budget, options, shown=True)[1]
 
 
 def gradients_speed(ys, xs, grad_ys=None, **kwargs) -> list:

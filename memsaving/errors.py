@@ -1,7 +1,6 @@
 """Exceptions raised by memsaving, each with a message that says what to do."""
 
 import math
-import re
 from typing import Optional
 
 IN_USE_SLACK = 0.005
@@ -49,11 +48,50 @@ class PlanWarning(UserWarning):
 
 
 class BudgetError(MemsavingError, ValueError):
-    """No plan fits the memory budget; the message gives the smallest feasible one."""
+    """No plan fits the memory budget; the message gives the smallest feasible one.
+
+    Make one with :meth:`carrying`, which stores that budget with the error
+    as :attr:`smallest_budget`: a message is for people, and a figure read
+    back from one is only as exact as it was printed.
+
+    Examples
+    --------
+    >>> error = BudgetError.carrying("no plan fits the budget of 100 bytes", 4096)
+    >>> error.smallest_budget, str(error)
+    (4096, 'no plan fits the budget of 100 bytes')
+    """
+
+    _smallest_budget: Optional[int] = None
+
+    @classmethod
+    def carrying(cls, message: str, smallest_budget: Optional[int]) -> "BudgetError":
+        """A BudgetError saying ``message`` whose :attr:`smallest_budget` is ``smallest_budget`` (bytes)."""
+        error = cls(message)
+        error._smallest_budget = None if smallest_budget is None else int(smallest_budget)
+        return error
+
+    def again(self) -> "BudgetError":
+        """A new error with this one's message and smallest budget, to raise
+        once more (raising this one again would add to its traceback)."""
+        return type(self).carrying(str(self), self.smallest_budget)
 
     @property
     def smallest_budget(self) -> Optional[int]:
-        """The smallest feasible budget in bytes, read from the message (so it
-        survives AutoGraph, which re-creates exceptions from their message)."""
-        match = re.search(r"\((\d+) bytes\)", str(self))
-        return int(match.group(1)) if match else None
+        """The smallest feasible budget in bytes, None when the error names none.
+
+        AutoGraph re-raises an error from inside a ``tf.function`` as a new
+        one made from its message alone, raised while handling the original
+        and given the original's ``ag_error_metadata``: such a copy reads the
+        figure from the original, its ``__context__``."""
+        error = self
+        while error._smallest_budget is None and _autograph_copy(error):
+            error = error.__context__
+        return error._smallest_budget
+
+
+def _autograph_copy(error: BudgetError) -> bool:
+    """Whether ``error`` is AutoGraph's copy of the BudgetError it was raised while handling."""
+    original = error.__context__
+    metadata = getattr(error, "ag_error_metadata", None)
+    return (isinstance(original, BudgetError) and metadata is not None
+            and getattr(original, "ag_error_metadata", None) is metadata)

@@ -33,7 +33,7 @@ import tensorflow as tf
 from memsaving.calibration import HEADROOM, CalibrationRound, Calibrator, Next
 from memsaving.planners.known_error import KNOWN_ERROR, needed_budget, safe_target
 from memsaving.errors import BudgetError
-from memsaving.planners.budget import format_bytes, parse_bytes
+from memsaving.planners.budget import exact_bytes, format_bytes, parse_bytes
 from memsaving.planners.planning import Plan
 from memsaving.tf.measure import bytes_in_use, measure_peak
 
@@ -188,13 +188,13 @@ def refusal(what: str, budget: int, predicted: int, resident: int, ratio: float,
     known = (f"the model's known error ({KNOWN_ERROR:.0%} of the step's memory{', ' + how if how else ''})"
              if not rounds else f"the error measured so far (x{ratio:.2f} of the step's predicted memory)")
     ran = "Nothing was run." if not rounds else "Nothing was run beyond the rounds below."
-    lines = [f"{what}: no plan is predicted under the budget of {format_bytes(budget)} by more "
-             f"than {known}: the lowest plan found is predicted at {format_bytes(predicted)}, "
+    lines = [f"{what}: no plan is predicted under the budget of {exact_bytes(budget)} by more "
+             f"than {known}: the lowest plan found is predicted at {exact_bytes(predicted)}, "
              f"{format_bytes(resident)} of it in use before the step. {ran}"]
     lines += [f"  round {n}: {r.describe(budget)}" for n, r in enumerate(rounds, 1)]
-    lines.append(f"The smallest feasible budget (the one that plan may run under) is {format_bytes(needed)} "
-                 f"({needed} bytes). Raise the budget to at least that, or reduce the batch size.")
-    error = BudgetError("\n".join(lines))
+    lines.append(f"The smallest feasible budget (the one that plan may run under) is {exact_bytes(needed)}. "
+                 "Raise the budget to at least that, or reduce the batch size.")
+    error = BudgetError.carrying("\n".join(lines), needed)
     error.calibration = Calibration(budget=budget, rounds=list(rounds))
     return error
 
@@ -208,12 +208,12 @@ def calibration_error(what: str, budget: int, calibrator: Calibrator) -> BudgetE
     lines += [f"  round {n}: {r.describe(budget)}" for n, r in enumerate(rounds, 1)]
     smallest = calibrator.smallest_measured_budget()
     if smallest is not None:
-        lines.append(f"The smallest feasible budget is {format_bytes(smallest)} ({smallest} bytes): the lowest "
-                     "peak measured, plus room for its run-to-run variation. Raise the budget to at least that, "
-                     "allow more rounds, or reduce the batch size.")
+        lines.append(f"The smallest feasible budget is {exact_bytes(smallest)}: the lowest peak measured, plus "
+                     "room for its run-to-run variation. Raise the budget to at least that, allow more rounds, or "
+                     "reduce the batch size.")
     else:
         lines.append("Raise the budget or reduce the batch size.")
-    error = BudgetError("\n".join(lines))
+    error = BudgetError.carrying("\n".join(lines), smallest)
     error.calibration = Calibration(budget=budget, rounds=list(rounds))
     return error
 

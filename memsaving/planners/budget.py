@@ -39,14 +39,39 @@ _UNITS = {
 }
 
 
-def format_bytes(count: int) -> str:
-    """``1536`` -> ``'1.5 KiB'``: a readable size for messages and tables."""
+def format_bytes(count: int, digits: int = 1) -> str:
+    """``1536`` -> ``'1.5 KiB'``: a readable size for messages and tables,
+    with ``digits`` decimals."""
     value = float(count)
     for unit in ("bytes", "KiB", "MiB", "GiB"):
         if abs(value) < 1024 or unit == "GiB":
-            return f"{int(value)} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
+            return f"{int(value)} bytes" if unit == "bytes" else f"{value:.{digits}f} {unit}"
         value /= 1024
-    return f"{value:.1f} GiB"
+    return f"{value:.{digits}f} GiB"
+
+
+def exact_bytes(count: int) -> str:
+    """``6291456`` -> ``'6,291,456 bytes (6.00 MiB)'``: a size to the byte,
+    for the figures an error compares (a budget and the smallest that fits),
+    which a rounded size could show equal or in the wrong order.
+
+    Examples
+    --------
+    >>> exact_bytes(6291456)
+    '6,291,456 bytes (6.00 MiB)'
+    >>> exact_bytes(1000)
+    '1,000 bytes'
+    """
+    count = int(count)
+    return f"{count:,} bytes" if abs(count) < 1024 else f"{count:,} bytes ({format_bytes(count, digits=2)})"
+
+
+def no_plan_fits(what: str, budget: int, smallest: int, rest: str = "") -> BudgetError:
+    """The BudgetError for a ``budget`` that no ``what`` fits, whose
+    smallest feasible budget found is ``smallest`` (stored with it, and
+    printed to the byte); ``rest`` ends the message."""
+    return BudgetError.carrying(f"no {what} fits the budget of {exact_bytes(budget)}; the smallest feasible "
+                                f"budget found is {exact_bytes(smallest)}{rest}", smallest)
 
 
 _BUDGET_FORMS = ("an int number of bytes (e.g. 2_000_000_000), a whole float (2e9), or a string with a "
@@ -299,7 +324,6 @@ def select_for_budget(
 
 
 def _raise_infeasible(model: GraphModel, budget: int, lowest_peak: int):
-    floor = feasible_budget(lowest_peak)
     notes = ""
     bound = peak_lower_bound(model)
     if budget < bound:
@@ -308,12 +332,9 @@ def _raise_infeasible(model: GraphModel, budget: int, lowest_peak: int):
     if stopped():
         notes += (" Planning stopped at its planning_time before it had tried every plan it would: a larger "
                   "planning_time= (or None) may find a plan that fits.")
-    raise BudgetError(
-        f"no checkpoint plan fits the budget of {format_bytes(budget)}; the smallest feasible "
-        f"budget found is {format_bytes(floor)} ({floor} bytes), of which "
-        f"{format_bytes(model.resident_bytes)} are in use before the step (parameters, inputs and "
-        "what the device already holds). Raise the budget, or reduce the batch size." + notes
-    )
+    raise no_plan_fits("checkpoint plan", budget, feasible_budget(lowest_peak), (
+        f", of which {format_bytes(model.resident_bytes)} are in use before the step (parameters, inputs and "
+        "what the device already holds). Raise the budget, or reduce the batch size." + notes))
 
 
 LOWEST_PEAK_EVALUATIONS = 12

@@ -77,7 +77,7 @@ def remembered(key: Hashable, model: GraphModel) -> Optional[Plan]:
     if isinstance(outcome, BudgetError):
         if resident != model.resident_bytes:
             return None
-        raise type(outcome)(*outcome.args)
+        raise outcome.again()
     plan = _moved(outcome, model.resident_bytes - resident)
     if outcome.budget is not None and outcome.predicted_peak <= outcome.budget < plan.predicted_peak:
         return None
@@ -98,7 +98,15 @@ def _moved(plan: Plan, extra: int) -> Plan:
 def remember(key: Hashable, model: GraphModel, outcome: Union[Plan, BudgetError]) -> None:
     """Keep ``outcome`` (a plan for ``model``, or the error saying none
     fits) under ``key``: ``(model_key(model), arguments...)``, every
-    argument that chose it."""
+    argument that chose it.
+
+    An error is kept as a copy never raised: a raised one's traceback holds
+    the frames it passed through and, through them, the frames that called
+    them (the trace of the step, and after the step has run, its results),
+    which would stay on the device for as long as the error is remembered,
+    in every later plan's memory in use."""
+    if isinstance(outcome, BudgetError):
+        outcome = outcome.again()
     with _lock:
         _plans[key] = (model.resident_bytes, outcome)
         _plans.move_to_end(key)

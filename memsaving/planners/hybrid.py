@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from memsaving.planners.budget import format_bytes, lowest_peak_plan, plan_for_budget
+from memsaving.planners.budget import lowest_peak_plan, no_plan_fits, plan_for_budget
 from memsaving.errors import BudgetError, feasible_budget
 from memsaving.model.graph import GraphModel
 from memsaving.model.proposal import Proposal
@@ -135,12 +135,8 @@ def plan_hybrid(
     if not pool:
         lowest = min(reached, key=lambda p: p.peak)
         if not or_lowest:
-            floor = feasible_budget(lowest.peak)
-            raise BudgetError(
-                f"no recompute / swap plan fits the budget of {format_bytes(budget)}; the smallest feasible "
-                f"budget found is {format_bytes(floor)} ({floor} bytes). Raise the budget, "
-                "or reduce the batch size."
-            )
+            raise no_plan_fits("recompute / swap plan", budget, feasible_budget(lowest.peak),
+                               ". Raise the budget, or reduce the batch size.")
         pool = [lowest]
     best = min(pool, key=lambda p: (p.seconds, p.peak))
     if best.name != "hybrid":

@@ -36,6 +36,7 @@ from memsaving.candidates.cuts import bottleneck_ops
 from memsaving.errors import BudgetError, CheckpointError
 from memsaving.model.graph import GraphModel
 from memsaving.model.splitting import grow_region, largest_splittable_ops
+from memsaving.planners.budget import exact_bytes
 from memsaving.sim.split_regions import fold_regions
 
 Planner = Callable[[GraphModel], object]
@@ -179,10 +180,11 @@ def auto_split(model: GraphModel, plan: Planner, has_budget: bool):
         floor = min((f for f in floors if f), default=None)
         unsplit = failure.smallest_budget
         if floor is not None and (unsplit is None or floor < unsplit):
-            raise BudgetError(
+            without = f", {exact_bytes(unsplit)} without" if unsplit is not None else ""
+            raise BudgetError.carrying(
                 f"no plan fits the budget, even with split regions (split='auto'); the smallest feasible budget "
-                f"found is {floor / 2 ** 20:.1f} MiB ({floor} bytes) with them, {(unsplit or 0) / 2 ** 20:.1f} MiB "
-                "without. Raise the budget, or reduce the batch size.") from failure
+                f"found is {exact_bytes(floor)} with them{without}. Raise the budget, or reduce the batch size.",
+                floor) from failure
         raise failure
     return best
 

@@ -149,7 +149,7 @@ def test_infeasible_budget_states_the_smallest_which_then_fits():
         message = str(info.value)
         assert "smallest feasible budget" in message and "Raise the budget" in message
         smallest = info.value.smallest_budget
-        assert smallest > 10 and f"({smallest} bytes)" in message
+        assert smallest > 10 and f"found is {smallest:,} bytes" in message
         plan = memsaving.plan(loss, W, checkpoints="memory", budget=smallest)
         assert plan.predicted_peak <= smallest
         return tf.gradients(loss, W), memsaving.gradients(loss, W, checkpoints="memory", budget=smallest)
@@ -157,6 +157,49 @@ def test_infeasible_budget_states_the_smallest_which_then_fits():
     plain, ours = step(tf.ones([2, 4]))
     for p, o in zip(plain, ours):
         np.testing.assert_allclose(o.numpy(), p.numpy(), rtol=1e-6)
+
+
+def test_the_budget_refused_and_the_smallest_are_printed_to_the_byte():
+    """Both figures to the byte: rounded to a tenth of a MiB, a budget just
+    under the lowest plan and the smallest feasible budget (that plan's peak
+    and a slack) read the same ("no plan fits the budget of 6.0 MiB; the
+    smallest feasible budget found is 6.0 MiB")."""
+    ws = mlp_weights(12, width=256)
+    refused = []
+
+    @tf.function
+    def step(x):
+        loss = tf.reduce_sum(tanh_mlp(x, ws))
+        with pytest.raises(memsaving.BudgetError) as info:
+            memsaving.plan(loss, ws, checkpoints="memory", budget=1, profile=False)
+        smallest = info.value.smallest_budget
+        # from just under the lowest plan's peak down, the first budget refused
+        for budget in range(smallest - smallest // 200 - 16 * 1024 - 1, smallest // 2, -8 * 1024):
+            try:
+                memsaving.plan(loss, ws, checkpoints="memory", budget=budget, profile=False)
+            except memsaving.BudgetError as error:
+                refused.append((budget, error))
+                break
+        return loss
+
+    step.get_concrete_function(tf.TensorSpec([256, 256]))
+    budget, error = refused[0]
+    message = str(error)
+    assert error.smallest_budget > budget
+    assert f"fits the budget of {budget:,} bytes (" in message
+    assert f"the smallest feasible budget found is {error.smallest_budget:,} bytes (" in message
+
+
+def test_the_smallest_budget_is_stored_with_the_error_never_read_from_its_message():
+    assert memsaving.BudgetError("an error of our own (4096 bytes)").smallest_budget is None
+    assert memsaving.BudgetError.carrying("a message without the figure", 4096).smallest_budget == 4096
+    # out of a tf.function, AutoGraph raises a copy made from the message
+    # alone, while handling the original: the copy reads the original's figure
+    with pytest.raises(memsaving.BudgetError) as info:
+        _trace(lambda x: memsaving.gradients(_loss(x), W, checkpoints="memory", budget=10))
+    original = info.value.__context__
+    assert isinstance(original, memsaving.BudgetError) and original is not info.value
+    assert info.value.smallest_budget == original.smallest_budget > 10
 
 
 @pytest.mark.parametrize("budget, message", [("lots", "512MiB"), (-5, "positive"), ("12 parsecs", "2GiB"),

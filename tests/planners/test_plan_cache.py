@@ -3,6 +3,8 @@ equal models share a key, any difference the planner reads gives another, a
 remembered plan comes back as a marked copy, a remembered BudgetError is
 raised again, and the oldest plans are forgotten first."""
 
+import gc
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -62,12 +64,41 @@ def test_a_remembered_plan_comes_back_as_a_marked_copy_with_the_new_profiling():
 def test_a_remembered_budget_error_is_raised_again():
     model = chain_model(SIZES)
     key = (cache.model_key(model), "memory", 10)
-    cache.remember(key, model, BudgetError("no checkpoint plan fits; the smallest feasible budget found is 1 KiB (1024 bytes)"))
-    with pytest.raises(BudgetError) as raised:
+    cache.remember(key, model, BudgetError.carrying("no checkpoint plan fits", 1024))
+    with pytest.raises(BudgetError, match="no checkpoint plan fits") as raised:
         cache.remembered(key, model)
     assert raised.value.smallest_budget == 1024
     # with other memory in use before the step, a plan may fit: plan again
     assert cache.remembered(key, replace(model, resident_bytes=model.resident_bytes - 8)) is None
+
+
+def test_a_remembered_budget_error_holds_none_of_the_frames_it_was_raised_through():
+    """A raised error's traceback holds the frames it passed through, and
+    through them their callers' (a traced step, and once it ran, its
+    results): kept with the error, they stayed in use."""
+    model = chain_model(SIZES)
+    key = (cache.model_key(model), "memory", 10)
+
+    class HeldByTheCaller:
+        pass
+
+    def fails():
+        raise BudgetError.carrying("no checkpoint plan fits", 1024)
+
+    def remember_the_failure():
+        held = HeldByTheCaller()
+        try:
+            fails()
+        except BudgetError as error:
+            cache.remember(key, model, error)
+        return weakref.ref(held)
+
+    held = remember_the_failure()
+    gc.collect()
+    assert held() is None
+    with pytest.raises(BudgetError) as raised:
+        cache.remembered(key, model)
+    assert raised.value.smallest_budget == 1024
 
 
 def test_the_oldest_plan_is_forgotten_first():

@@ -211,7 +211,7 @@ def test_auto_split_only_when_the_budget_needs_it():
         def plan(candidate):
             found = _memory_plan(candidate)
             if found.predicted_peak > budget:
-                raise BudgetError(f"over ({found.predicted_peak} bytes)")
+                raise BudgetError.carrying("over", found.predicted_peak)
             return found
         return plan
 
