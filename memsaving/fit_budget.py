@@ -32,7 +32,7 @@ import tensorflow as tf
 
 from memsaving.calibration import HEADROOM, CalibrationRound, Calibrator, Next
 from memsaving.planners.known_error import KNOWN_ERROR, needed_budget, safe_target
-from memsaving.errors import BudgetError
+from memsaving.errors import BudgetError, feasible_budget
 from memsaving.planners.budget import exact_bytes, format_bytes, parse_bytes
 from memsaving.planners.planning import Plan
 from memsaving.tf.measure import bytes_in_use, measure_peak
@@ -183,17 +183,18 @@ def refusal(what: str, budget: int, predicted: int, resident: int, ratio: float,
     """The BudgetError of a plan that may not run: predicted over ``budget``
     (less ``headroom``), or under it by less than the error ``ratio`` says
     its step memory may be off by.  Its ``smallest_budget`` is the budget
-    that plan would be allowed to run under."""
-    needed = needed_budget(predicted, resident, ratio, headroom)
+    that plan may run under, with the slack every smallest budget has for
+    the memory in use moving between traces (:func:`memsaving.errors.feasible_budget`)."""
+    needed = feasible_budget(needed_budget(predicted, resident, ratio, headroom))
     known = (f"the model's known error ({KNOWN_ERROR:.0%} of the step's memory{', ' + how if how else ''})"
              if not rounds else f"the error measured so far (x{ratio:.2f} of the step's predicted memory)")
     ran = "Nothing was run." if not rounds else "Nothing was run beyond the rounds below."
-    lines = [f"{what}: no plan is predicted under the budget of {exact_bytes(budget)} by more "
-             f"than {known}: the lowest plan found is predicted at {exact_bytes(predicted)}, "
-             f"{format_bytes(resident)} of it in use before the step. {ran}"]
+    lines = [f"{what}: no plan fits the budget of {exact_bytes(budget)} with room for {known}: the lowest plan "
+             f"found is predicted at {exact_bytes(predicted)}, {format_bytes(resident)} of it in use before the "
+             f"step; the smallest feasible budget found is {exact_bytes(needed)} (the budget that plan may run "
+             f"under). {ran}"]
     lines += [f"  round {n}: {r.describe(budget)}" for n, r in enumerate(rounds, 1)]
-    lines.append(f"The smallest feasible budget (the one that plan may run under) is {exact_bytes(needed)}. "
-                 "Raise the budget to at least that, or reduce the batch size.")
+    lines.append("Raise the budget to at least that, or reduce the batch size.")
     error = BudgetError.carrying("\n".join(lines), needed)
     error.calibration = Calibration(budget=budget, rounds=list(rounds))
     return error

@@ -214,6 +214,11 @@ class GraphModel:
     splits: Tuple[Any, ...] = ()
     """The split regions this model computes in pieces, each one op of the
     model (:class:`memsaving.model.splitting.SplitRegion`)."""
+    update_factor: float = 0.0
+    """Bytes an optimizer's update of a weight holds while it runs, per byte
+    of the weight's gradient: a gradient made as a result is consumed by
+    such an update, at once (Adam's ``(g - m)`` and ``g * g`` make two
+    temporaries the size of the weight: :data:`UPDATE_FACTOR`)."""
     unfolded: Optional["GraphModel"] = field(default=None, repr=False, compare=False)
     """The model before its regions were folded (what plain ``tf.gradients``
     runs), when this one has split regions."""
@@ -280,6 +285,15 @@ def receives_gradient(model: GraphModel, t: int, xs: Set[int]) -> bool:
     the forward graph gets none)."""
     info = model.tensors[t]
     return info.trainable and (t in xs or (info.producer >= 0 and model.ops[info.producer].forward))
+
+
+UPDATE_FACTOR = 2.0
+"""The update allowance :func:`memsaving.tf.extract.graph_model` gives a
+step's model (:attr:`GraphModel.update_factor`): an Adam update, which
+holds two temporaries the size of the weight beside its gradient (measured:
+SGD 0, SGD with momentum 1, Adam and RMSprop 2, AdamW 3).  The planner
+never sees the update (it is built after the gradients), and a budget must
+hold with it."""
 
 
 def gradient_sinks(model: GraphModel) -> Set[int]:

@@ -200,6 +200,9 @@ class _OpKernels:
     recompute: Action
     advance: Action
     backward: Action
+    updating: Tuple[Action, ...]
+    """Per gradient kernel, its backward action with the optimizer's update
+    of the results it makes (:attr:`memsaving.model.graph.GraphModel.update_factor`)."""
     inputs: Tuple[int, ...]
     """The inputs some op of the step makes (the others are resident)."""
     outputs: Tuple[int, ...]
@@ -242,10 +245,12 @@ def _op_kernels(model: GraphModel) -> List[_OpKernels]:
         if all(t in sinks for t in op.outputs):
             kernels = []  # no gradient ever reaches the op: a result's is the result itself
         inputs = tuple(t for t in op.inputs if model.tensors[t].producer >= 0)
+        backward = op_action(op, f"backward {op.name}", [], [], backward=True, share=len(groups))
         found.append(_OpKernels(
             recompute=op_action(op, f"recompute {op.name}", [], []),
             advance=op_action(op, f"advance {op.name}", [], []),
-            backward=op_action(op, f"backward {op.name}", [], [], backward=True, share=len(groups)),
+            backward=backward,
+            updating=tuple(_with_update(backward, model, kernel, sinks) for kernel in kernels),
             inputs=inputs,
             outputs=op.outputs,
             output_bytes=tuple((t, model.tensors[t].nbytes) for t in op.outputs),
@@ -256,6 +261,18 @@ def _op_kernels(model: GraphModel) -> List[_OpKernels]:
             targets=tuple(t for kernel in kernels for t in kernel.targets),
             gradient_tensors=tuple(op.outputs) + tuple(t for kernel in kernels for t in kernel.targets)))
     return found
+
+
+def _with_update(backward: Action, model: GraphModel, kernel: "_GradientKernel", sinks: FrozenSet[int]) -> Action:
+    """``backward`` for one kernel: a kernel that makes results (weight
+    gradients) also holds the temporaries of their optimizer update, which
+    runs as each result is made; the larger of the two counts."""
+    results = sum(model.tensors[t].gradient_bytes for t in kernel.targets if t in sinks)
+    update = int(model.update_factor * results)
+    if update <= backward.temp:
+        return backward
+    return Action(backward.label, [], [], backward.cost, backward.stream, backward.forwards_buffers, (), update,
+                  backward.seconds)
 
 
 def step_actions(model: GraphModel, kept: Set[int], units: List[Unit]) -> Tuple[List[Action], List[int]]:
@@ -522,14 +539,14 @@ class _BackwardPass:
         if op.saved_bytes:
             key = saved_key(i)
             saved.append(local.get(key) or sources.get(key) or key)
-        for kernel in op.kernels:
+        for kernel, backward in zip(op.kernels, op.updating):
             reads: List[Key] = incoming + [local.get(t) or sources.get(t) or forward[t] for t in kernel.reads]
             if saved:
                 reads += saved
             writes: List[Tuple[Key, int]] = []
             for t in kernel.targets:
                 grads.add(t, reads, writes)
-            action = on_buffers(op.backward, reads, writes,
+            action = on_buffers(backward, reads, writes,
                                 result_keys(self.model, writes) if kernel.makes_results else ())
             if kernel.reads_views:
                 self.view_readers.append(action)

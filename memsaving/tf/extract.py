@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from memsaving.tf.forward import ForwardGraph, is_copyable, is_trainable, topological_order
 from memsaving.model.buffers import Action, memory_replay
-from memsaving.model.graph import GraphModel, OpInfo, ProfileSummary, TensorInfo
+from memsaving.model.graph import UPDATE_FACTOR, GraphModel, OpInfo, ProfileSummary, TensorInfo
 from memsaving.tf.rows import row_splits, static_shape
 
 EXTERNAL_OPS = frozenset({"Placeholder", "Const", "VarHandleOp", "NoOp"})
@@ -406,7 +406,7 @@ def _folded_gradients(ops: Sequence[tf.Operation], differentiated: Set[tf.Operat
 
 def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional[int] = None,
                 profile: str = "off", seeded_with_ones: bool = True, in_use_bytes: int = 0,
-                rows: bool = False) -> GraphModel:
+                rows: bool = False, update_factor: float = UPDATE_FACTOR) -> GraphModel:
     """The neutral model of the step that computes ``fwd.ys``.
 
     Parameters
@@ -436,6 +436,9 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
         also record each tensor's static shape and the rows each op
         can be cut into (:func:`memsaving.tf.rows.row_splits`), which
         splitting needs (left out otherwise: it costs time on every trace).
+    update_factor : float
+        the optimizer update's temporaries per byte of a weight gradient
+        (:attr:`memsaving.model.graph.GraphModel.update_factor`).
     """
     if profile not in PROFILE_MODES:
         raise ValueError(f"profile={profile!r}: use one of {PROFILE_MODES}")
@@ -534,7 +537,7 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
         resident_bytes = max(resident, in_use_bytes) + folded_bytes
     return GraphModel(infos, tensors, xs, ys, resident_bytes,
                       separate_result_kernels=True, profile=summary,
-                      ready_gradients_early=_parallel_executor())
+                      ready_gradients_early=_parallel_executor(), update_factor=update_factor)
 
 
 def _parallel_executor() -> bool:
