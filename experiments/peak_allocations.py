@@ -38,7 +38,7 @@ import re
 import statistics
 import tempfile
 from dataclasses import dataclass
-from typing import Callable, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import memsaving  # sets TF_CPU_ALLOCATOR_USE_BFC before TensorFlow starts
 import tensorflow as tf
@@ -112,27 +112,32 @@ class OpRun:
     thread: str
 
 
-def executed_ops(paths: List[str]) -> List[OpRun]:
-    """The ops of a profile's trace (``profiled_run``'s paths), by start time.
-
-    The trace names an executed op ``name:type`` (:data:`OP_EVENT`); the
-    host threads' other events (the executor's, the thread pool's) do not."""
+def trace_events(paths: List[str]) -> Iterator[Tuple[str, int, Any, Dict[int, str], str]]:
+    """Every event of a profile (``profiled_run``'s paths): its name, its
+    start in picoseconds, the event itself, the names of its plane's
+    statistics (by id) and the name of its line (thread)."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=import-outside-toplevel
 
-    runs = []
     for path in paths:
         space = xplane_pb2.XSpace()
         with open(path, "rb") as file:
             space.ParseFromString(file.read())
         for plane in space.planes:
             names = {key: meta.name for key, meta in plane.event_metadata.items()}
+            stat_names = {key: meta.name for key, meta in plane.stat_metadata.items()}
             for line in plane.lines:
                 for event in line.events:
-                    name = names.get(event.metadata_id, "")
-                    if not OP_EVENT.match(name):
-                        continue
-                    start = line.timestamp_ns / 1e3 + event.offset_ps / 1e6
-                    runs.append(OpRun(name.split(":")[0], start, event.duration_ps / 1e6, line.name))
+                    start = line.timestamp_ns * 1000 + event.offset_ps
+                    yield names.get(event.metadata_id, ""), start, event, stat_names, line.name
+
+
+def executed_ops(paths: List[str]) -> List[OpRun]:
+    """The ops of a profile's trace (``profiled_run``'s paths), by start time.
+
+    The trace names an executed op ``name:type`` (:data:`OP_EVENT`); the
+    host threads' other events (the executor's, the thread pool's) do not."""
+    runs = [OpRun(name.split(":")[0], start / 1e6, event.duration_ps / 1e6, thread)
+            for name, start, event, _, thread in trace_events(paths) if OP_EVENT.match(name)]
     return sorted(runs, key=lambda r: r.start_us)
 
 

@@ -412,6 +412,43 @@ def replay_rows(buffers: BufferRows, pinned: Set[Key]) -> Tuple[List[int], int]:
     return _Changes(buffers, pinned).totals()
 
 
+ALLOCATE, FREE, HAND_OVER = 0, 1, 2
+"""The kinds of :class:`AllocationEvents`: a buffer gets memory of its own
+(value: its bytes); it gives its memory back (value unused); it hands its
+memory to another buffer, which writes in place (value: the taker's key)."""
+
+
+@dataclass(slots=True)
+class AllocationEvents:
+    """A replay as the allocations and frees a memory allocator sees, in
+    order: ``kinds[k]`` (:data:`ALLOCATE`, :data:`FREE`, :data:`HAND_OVER`)
+    done to buffer ``keys[k]`` with ``values[k]``.
+
+    Keys are numbers: a buffer written once has its buffer number; each
+    new version of a buffer written several times, a number from
+    ``numbers`` on; an action's temporary ``-1 - action``; a result
+    consumed at once ``-1 - actions - write row``."""
+
+    kinds: List[int]
+    keys: List[int]
+    values: List[int]
+
+
+def replay_with_events(buffers: BufferRows, pinned: Set[Key]) -> Tuple[List[int], int, AllocationEvents]:
+    """:func:`replay_rows`, and the replay as allocations and frees
+    (:meth:`_Changes.events`), for a model of the allocator that counts
+    what each allocation really holds (:mod:`memsaving.sim.allocator`)."""
+    changes = _Changes(buffers, pinned)
+    return (*changes.totals(), changes.events())
+
+
+_CONSUMED, _REPLACED, _WRITES, _TEMP, _TEMP_ENDS, _FREES = range(6)
+"""When in its action an event comes: results consumed at once (made and
+freed); the buffers its writes replace, or take over without taking their
+memory, freed; its writes; its temporary made; its temporary freed; the
+buffers it reads last freed."""
+
+
 class _Changes:
     """How each action of a replay changes the bytes in use: its writes add
     (``allocated``, net of the buffers they take over or replace), its end
@@ -429,15 +466,23 @@ class _Changes:
         self.freed = np.zeros(count, np.int64)
         self.consumed = np.zeros(count, np.int64)
         taker = np.full(buffers.numbers, -1, np.intp)
+        self.taker_row = np.full(buffers.numbers, -1, np.intp)
+        """Per buffer, the write row that takes it over in place (-1: none)."""
         actions, writes, donors = buffers.handovers(self.last, buffers.sizes(), pinned)
         # a write listed twice in an action keeps the buffer of its last hand-over
         _, last_first = np.unique((actions * buffers.numbers + buffers.write_id[writes])[::-1], return_index=True)
         kept = len(writes) - 1 - last_first
         taker[buffers.read_id[donors[kept]]] = actions[kept]
+        self.taker_row[buffers.read_id[donors[kept]]] = writes[kept]
         rows = np.ones(len(buffers.write_id), bool)  # the writes that allocate
-        rows[self._consumed_rows()] = False
+        self.consumed_rows = self._consumed_rows()
+        rows[self.consumed_rows] = False
         once = np.bincount(buffers.write_id, minlength=buffers.numbers)[buffers.write_id] == 1
-        self._add_written_once(np.flatnonzero(rows & once), taker)
+        self.once_rows = np.flatnonzero(rows & once)
+        """The allocating writes of buffers written once."""
+        self._add_written_once(self.once_rows, taker)
+        self.followed: List[Tuple[int, list]] = []
+        """Each buffer written more than once, and its events in order (:meth:`_follow`)."""
         for rows_of_key in _groups(buffers.write_id, np.flatnonzero(~once)):
             self._follow(rows_of_key, rows, taker)
 
@@ -484,8 +529,10 @@ class _Changes:
                 events.append((max(int(self.last[key_id]), i), 1, row, None))
         if taker[key_id] >= 0:
             events.append((int(taker[key_id]), 0, -1, None))
+        events.sort(key=lambda event: event[:3])
+        self.followed.append((key_id, events))
         live = None
-        for i, phase, _, nbytes in sorted(events, key=lambda event: event[:3]):
+        for i, phase, _, nbytes in events:
             if nbytes is not None:
                 self.allocated[i] += nbytes - (live or 0)
                 live = nbytes
@@ -496,6 +543,92 @@ class _Changes:
                     self.freed[i] += live
                 live = None
 
+    def events(self) -> AllocationEvents:
+        """The replay as allocations and frees (:class:`AllocationEvents`),
+        by the same decisions as :meth:`totals`: summing the bytes of the
+        buffers they hold gives its bytes in use and peak.
+
+        Within an action: results consumed at once (each made and freed);
+        the buffers its writes replace (a new version of a buffer written
+        several times) or take over without taking their memory, freed;
+        its writes in order (a write that takes over a dying input's
+        buffer takes its memory); its temporary made and freed; then the
+        buffers it reads last freed.  Frees before writes keep the bytes in
+        use within an action from passing what :meth:`totals` counts."""
+        parts: List[Tuple[np.ndarray, ...]] = []
+        self._consumed_events(parts)
+        self._temp_events(parts)
+        self._once_events(parts)
+        self._followed_events(parts)
+        action, phase, seq, kind, key, value = (np.concatenate(column) for column in zip(*parts))
+        order = np.lexsort((seq, phase, action))
+        return AllocationEvents(kind[order].tolist(), key[order].tolist(), value[order].tolist())
+
+    def _consumed_events(self, parts: list) -> None:
+        """Each result consumed at once, made and freed before the action's writes."""
+        buffers, rows = self.buffers, self.consumed_rows
+        keys = -1 - buffers.count - rows
+        actions = buffers.write_action[rows]
+        parts.append(_event_rows(actions, _CONSUMED, 2 * rows, ALLOCATE, keys, buffers.write_bytes[rows]))
+        parts.append(_event_rows(actions, _CONSUMED, 2 * rows + 1, FREE, keys, 0))
+
+    def _temp_events(self, parts: list) -> None:
+        """Each action's temporary, made after its writes and freed before its reads die."""
+        actions = np.flatnonzero(self.buffers.temp > 0)
+        parts.append(_event_rows(actions, _TEMP, 0, ALLOCATE, -1 - actions, self.buffers.temp[actions]))
+        parts.append(_event_rows(actions, _TEMP_ENDS, 0, FREE, -1 - actions, 0))
+
+    def _once_events(self, parts: list) -> None:
+        """Buffers written once: made by their write (or taking over the
+        dying buffer handed to it), freed after their last read, unless
+        pinned or handed to a later write."""
+        buffers, rows = self.buffers, self.once_rows
+        ids, actions = buffers.write_id[rows], buffers.write_action[rows]
+        row_once = np.zeros(len(buffers.write_id), bool)
+        row_once[rows] = True
+        takes = self.taker_row[ids]
+        handed = ~self.pinned[ids] & (takes >= 0)
+        handed[handed] = buffers.write_action[takes[handed]] > actions[handed]
+        # a write of a buffer written once takes the memory of a donor written once
+        renamed = handed.copy()
+        renamed[handed] = row_once[takes[handed]]
+        donor_of_row = np.full(len(buffers.write_id), -1, np.intp)
+        donor_of_row[takes[renamed]] = ids[renamed]
+        donors = donor_of_row[rows]
+        taking = donors >= 0
+        parts.append(_event_rows(actions, _WRITES, rows, np.where(taking, HAND_OVER, ALLOCATE),
+                                 np.where(taking, donors, ids), np.where(taking, ids, buffers.write_bytes[rows])))
+        given = handed & ~renamed  # the taker allocates: the donor is freed just before
+        parts.append(_event_rows(buffers.write_action[takes[given]], _REPLACED, takes[given], FREE, ids[given], 0))
+        dying = ~self.pinned[ids] & ~handed
+        ends = np.maximum(self.last[ids[dying]], actions[dying])
+        parts.append(_event_rows(ends, _FREES, rows[dying], FREE, ids[dying], 0))
+
+    def _followed_events(self, parts: list) -> None:
+        """Buffers written more than once (:meth:`_follow`'s events): each
+        write makes a new version and frees the one it replaces (an
+        earlier action's: one action's writes of a key count as its last)."""
+        numbers = self.buffers.numbers
+        rows: List[Tuple[int, int, int, int, int, int]] = []
+        for key_id, events in self.followed:
+            live = None
+            for k, (i, phase, row, nbytes) in enumerate(events):
+                if nbytes is not None:
+                    following = events[k + 1] if k + 1 < len(events) else None
+                    if following is not None and following[0] == i and following[3] is not None:
+                        continue  # written again by the same action: only its last write holds memory
+                    if live is not None:
+                        rows.append((i, _REPLACED, row, FREE, live, 0))
+                    live = numbers
+                    numbers += 1
+                    rows.append((i, _WRITES, row, ALLOCATE, live, nbytes))
+                elif live is not None:  # handed over (phase 0) or read for the last time
+                    rows.append((i, _REPLACED, int(self.taker_row[key_id]), FREE, live, 0) if phase == 0
+                                else (i, _FREES, row, FREE, live, 0))
+                    live = None
+        parts.append(tuple(np.array(column, np.int64) for column in zip(*rows)) if rows
+                     else tuple(np.zeros(0, np.int64) for _ in range(6)))
+
     def totals(self) -> Tuple[List[int], int]:
         """Bytes in use after each action, and the peak: before an action
         (plus a result it consumes at once) or during it (its writes and
@@ -504,6 +637,14 @@ class _Changes:
         before = np.concatenate([[0], in_use[:-1]])
         peak = max(0, int((before + self.consumed).max()), int((before + self.allocated + self.buffers.temp).max()))
         return in_use.tolist(), peak
+
+
+def _event_rows(actions: np.ndarray, phase: int, seq, kind, keys, values) -> Tuple[np.ndarray, ...]:
+    """One column each of :meth:`_Changes.events`' rows (action, phase,
+    order within the phase, kind, key, value), scalars broadcast."""
+    size = len(actions)
+    return tuple(np.broadcast_to(np.asarray(column, np.int64), (size,))
+                 for column in (actions, phase, seq, kind, keys, values))
 
 
 def _groups(ids: np.ndarray, rows: np.ndarray) -> List[np.ndarray]:

@@ -25,7 +25,8 @@ from typing import FrozenSet, Iterable, Iterator, List, Optional, Set, Tuple
 from memsaving.sim.actions import block_rows, forward_actions, step_actions, step_blocks
 from memsaving.sim.allowance import charge
 from memsaving.sim.blocks import RECOMPUTED_LABELS
-from memsaving.model.buffers import Action, BufferRows, Key, memory_replay, replay_rows
+from memsaving.model.buffers import Action, BufferRows, Key, memory_replay, replay_rows, replay_with_events
+from memsaving.sim.allocator import replay as replay_allocations
 from memsaving.sim.executor import unpinned_orders
 from memsaving.model.graph import GraphModel, gradient_sinks
 from memsaving.model.schedule import Inner, Unit, backward_units, kept_set, plain_units
@@ -62,6 +63,10 @@ class Simulation:
     swapped_bytes: int = 0
     """Bytes copied to the host and back (each swapped tensor once out, and
     once in per swap-in)."""
+    chunk_peak_bytes: Optional[int] = None
+    """With ``simulate(..., allocator=True)``: the peak as TensorFlow's BFC
+    allocator counts it, whole chunks (:mod:`memsaving.sim.allocator`),
+    plus resident memory; None otherwise."""
 
     @property
     def compute_ratio(self) -> float:
@@ -82,6 +87,7 @@ def simulate(
     inplace: Optional[bool] = None,
     unpinned: bool = False,
     plain: bool = False,
+    allocator: bool = False,
 ) -> Simulation:
     """Replay the gradient computation that keeps ``checkpoint_ops``.
 
@@ -122,20 +128,30 @@ def simulate(
         nothing recomputed, not even between the ops the rewrite always
         keeps; ``checkpoint_ops``, ``kept``, ``inner`` and ``swapped`` must
         be left empty.
+    allocator
+        also replay the step's allocations and frees through the model of
+        TensorFlow's BFC allocator (:mod:`memsaving.sim.allocator`), from a
+        fresh allocator, and report the peak of whole chunks in
+        :attr:`Simulation.chunk_peak_bytes`; ``peak_bytes`` is unchanged.
+        Not with ``swapped`` or ``cost`` (timed replays).
     """
     if plain and (kept or inner or swapped or list(checkpoint_ops)):
         raise ValueError("simulate(plain=True) scores tf.gradients itself: pass no checkpoints, kept ops, "
                          "inner checkpoints or swaps")
+    if allocator and (swapped or cost is not None):
+        raise ValueError("simulate(allocator=True) replays the actions in the order they are listed; a timed "
+                         "replay (swapped= or cost=) overlaps them on three streams: leave allocator off there")
     if kept is None:
         kept = kept_set(model, checkpoint_ops)
     swapped = frozenset(swapped)
     key = (frozenset(kept), tuple(sorted((a, tuple(v)) for a, v in (inner or {}).items() if v)),
-           keep_x_gradients, swapped, cost, inplace, unpinned, plain)
+           keep_x_gradients, swapped, cost, inplace, unpinned, plain, allocator)
     done = model.derived("simulations", dict)
     if key not in done:
         if len(done) >= _REMEMBERED:
             del done[next(iter(done))]  # the oldest
-        done[key] = _replay(model, kept, keep_x_gradients, inner, swapped, cost, inplace, unpinned, plain)
+        done[key] = _replay(model, kept, keep_x_gradients, inner, swapped, cost, inplace, unpinned, plain,
+                            allocator)
     return done[key]
 
 
@@ -172,10 +188,10 @@ chosen plan again), and a model never changes, so a plan is replayed once."""
 
 def _replay(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: Optional[Inner],
             swapped: FrozenSet[int], cost: Optional[CostModel], inplace: Optional[bool],
-            unpinned: bool, plain: bool = False) -> Simulation:
+            unpinned: bool, plain: bool = False, allocator: bool = False) -> Simulation:
     """The replay behind :func:`simulate`, run once per model and plan."""
     with collector_paused():
-        return _replayed(model, kept, keep_x_gradients, inner, swapped, cost, inplace, unpinned, plain)
+        return _replayed(model, kept, keep_x_gradients, inner, swapped, cost, inplace, unpinned, plain, allocator)
 
 
 @contextmanager
@@ -202,7 +218,7 @@ def collector_paused() -> Iterator[None]:
 
 def _replayed(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: Optional[Inner],
               swapped: FrozenSet[int], cost: Optional[CostModel], inplace: Optional[bool],
-              unpinned: bool, plain: bool = False) -> Simulation:
+              unpinned: bool, plain: bool = False, allocator: bool = False) -> Simulation:
     """:func:`_replay`'s work."""
     if plain:
         units = plain_units(model)
@@ -213,9 +229,9 @@ def _replayed(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: 
     # the blocks of the units earlier plans ran in the same state, and their rows, are reused
     stepped = None if swapped or reordered or cost is not None else step_blocks(model, units)
     if stepped is None:
-        return _replayed_list(model, kept, units, pinned, swapped, cost, reordered)
+        return _replayed_list(model, kept, units, pinned, swapped, cost, reordered, allocator)
     blocks, unit_ends = stepped
-    timeline, peak = replay_rows(block_rows(model, blocks), pinned)
+    timeline, peak, chunk_peak = _replayed_rows(block_rows(model, blocks), pinned, allocator)
     labels = list(chain.from_iterable(map(attrgetter("labels"), blocks)))
     charge(len(labels))
     # what every plan pays, summed once per model
@@ -228,11 +244,23 @@ def _replayed(model: GraphModel, kept: Set[int], keep_x_gradients: bool, inner: 
         timeline=timeline,
         labels=labels,
         unit_ends=unit_ends,
+        chunk_peak_bytes=None if chunk_peak is None else model.resident_bytes + chunk_peak,
     )
 
 
+def _replayed_rows(rows: BufferRows, pinned: Set[Key], allocator: bool) -> Tuple[List[int], int, Optional[int]]:
+    """The replay's bytes in use after each action and its peak, and, with
+    ``allocator``, its peak of whole chunks in a fresh model of the BFC
+    allocator (None without)."""
+    if not allocator:
+        return (*replay_rows(rows, pinned), None)
+    timeline, peak, events = replay_with_events(rows, pinned)
+    return timeline, peak, replay_allocations(events).peak
+
+
 def _replayed_list(model: GraphModel, kept: Set[int], units: List[Unit], pinned: Set[Key],
-                   swapped: FrozenSet[int], cost: Optional[CostModel], reordered: bool) -> Simulation:
+                   swapped: FrozenSet[int], cost: Optional[CostModel], reordered: bool,
+                   allocator: bool = False) -> Simulation:
     """:func:`_replayed` on the whole list of actions, made for the plan
     alone: a plan that is timed (swaps, a cost model), whose actions are
     replayed in the executor's order, or that is not made of blocks
@@ -249,7 +277,7 @@ def _replayed_list(model: GraphModel, kept: Set[int], units: List[Unit], pinned:
         step_seconds, timed_peak, _ = timed_replay(actions, cost, pinned)
     # the forward pass's buffers are numbered once per model
     forward = model.derived("forward buffer rows", lambda: BufferRows(forward_actions(model)))
-    timeline, peak = memory_replay(actions, pinned, forward)
+    timeline, peak, chunk_peak = _replayed_rows(BufferRows(actions, forward), pinned, allocator)
     charge(len(actions))
     if swapped:
         peak = timed_peak
@@ -266,6 +294,7 @@ def _replayed_list(model: GraphModel, kept: Set[int], units: List[Unit], pinned:
         unit_ends=unit_ends,
         step_seconds=step_seconds,
         swapped_bytes=int(sum(a.cost for a in actions if a.stream != "compute")) if swapped else 0,
+        chunk_peak_bytes=None if chunk_peak is None else model.resident_bytes + chunk_peak,
     )
 
 
