@@ -15,11 +15,13 @@ a budget nothing fits in).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
+import sys
 import zipfile
 import zlib
-from typing import NoReturn, Optional
+from typing import Iterator, NoReturn, Optional
 
 from memsaving.planners.budget import parse_bytes
 
@@ -171,3 +173,35 @@ def _has_hdf5_signature(path: str) -> bool:
             offset = 512 if offset == 0 else 2 * offset
     return False
 
+
+@contextlib.contextmanager
+def native_stderr_silenced() -> Iterator[None]:
+    """Send file descriptor 2 to the null device for the block.
+
+    TensorFlow's native libraries print to it when they load and run their
+    first op ("All log messages before absl::InitializeLog() ...", oneDNN's
+    notice) whatever ``TF_CPP_MIN_LOG_LEVEL`` says: a command's one-line
+    answer would come with lines of noise.  Python's own errors still
+    reach the user: they are raised after the descriptor is back."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w", encoding="utf-8") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def import_tensorflow_quietly() -> None:
+    """Import TensorFlow and Keras, and run one op, with their native start-up
+    lines silenced (:func:`native_stderr_silenced`), unless the user asked
+    for TensorFlow's logs (``TF_CPP_MIN_LOG_LEVEL`` below 2) or it is loaded."""
+    if "tensorflow" in sys.modules or os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") < "2":
+        return
+    with native_stderr_silenced():
+        import keras  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+        tf.constant(0) + 0  # pylint: disable=expression-not-assigned

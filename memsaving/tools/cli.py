@@ -8,7 +8,8 @@ import sys
 from typing import Optional, Sequence
 
 from memsaving.errors import MemsavingError
-from memsaving.tools.arguments import USAGE_STATUS, OneLineParser, UsageError, memory_size, positive_int
+from memsaving.tools.arguments import (USAGE_STATUS, OneLineParser, UsageError, import_tensorflow_quietly, memory_size,
+                                       positive_int)
 from memsaving.tools.footprints import BUILT_IN, dense_stack, refuse_if_too_big
 
 
@@ -72,6 +73,7 @@ def run_command(args: argparse.Namespace) -> int:
         return 0
     refuse_if_too_big(dense_stack(args.depth, args.width), args.batch, f"the demo at --depth {args.depth} --width "
                       f"{args.width}", "give a smaller --depth, --width or --batch")
+    import_tensorflow_quietly()
     from memsaving.tools.demo import main as demo_main
 
     return demo_main(args.depth, args.batch, args.width, args.checkpoints)

@@ -183,6 +183,53 @@ def _pages(name: str) -> Optional[int]:
     return pages * size if pages > 0 and size > 0 else None
 
 
+def archive_footprint(path: str, size: Optional[int] = None) -> Optional[Footprint]:
+    """A lower bound on a training step of the ``.keras`` archive at ``path``,
+    read without loading it: its weights file's bytes, and for every sample
+    the bytes of its inputs (their shapes in ``config.json``; an unknown
+    non-batch dimension is ``size``, 1 when None).  None for other files or
+    an archive whose config does not say.
+
+    Loading a saved model takes TensorFlow and seconds; an absurd batch is
+    refused before that from this bound alone."""
+    import json
+    import zipfile
+
+    if not (os.path.isfile(path) and zipfile.is_zipfile(path)):
+        return None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            config = json.loads(archive.read("config.json"))
+            weights = sum(info.file_size for info in archive.infolist() if info.filename.endswith(".h5"))
+    except (KeyError, ValueError, OSError, zipfile.BadZipFile):
+        return None
+    per_sample = sum(_elements(shape[1:], size) for shape in _input_shapes(config)) * FLOAT_BYTES
+    return Footprint(parameter_bytes=weights, activation_bytes=per_sample)
+
+
+def _input_shapes(config) -> list:
+    """The ``batch_shape`` of every InputLayer in a Keras config, however deeply nested."""
+    found = []
+    if isinstance(config, dict):
+        if config.get("class_name") == "InputLayer":
+            shape = config.get("config", {}).get("batch_shape") or config.get("config", {}).get("batch_input_shape")
+            if isinstance(shape, list):
+                found.append(shape)
+        for value in config.values():
+            found += _input_shapes(value)
+    elif isinstance(config, list):
+        for value in config:
+            found += _input_shapes(value)
+    return found
+
+
+def _elements(dims, size: Optional[int]) -> int:
+    count = 1
+    for dim in dims:
+        count *= int(dim) if isinstance(dim, int) else (size or 1)
+    return count
+
+
 def refuse_if_too_big(footprint: Footprint, batch: int, what: str, advice: str,
                       available: Optional[int] = None) -> None:
     """Raise :class:`UsageError` when ``what`` at ``batch`` needs more than the machine has.

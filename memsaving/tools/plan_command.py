@@ -29,8 +29,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple,
 
 from memsaving.errors import MemsavingError
 from memsaving.planners.planning import Plan
-from memsaving.tools.arguments import UsageError, check_plot_path, unreadable_model_reason
-from memsaving.tools.footprints import BUILT_IN, Footprint, refuse_if_too_big
+from memsaving.tools.arguments import UsageError, check_plot_path, import_tensorflow_quietly, unreadable_model_reason
+from memsaving.tools.footprints import BUILT_IN, Footprint, archive_footprint, refuse_if_too_big
 
 DEFAULT_SIZE = 64
 """Image size / sequence length of the built-in models when ``--size`` is not given."""
@@ -161,6 +161,9 @@ def check_model_argument(model: str, batch: int, size: Optional[int] = None) -> 
         reason = unreadable_model_reason(model)
         if reason:
             raise SystemExit(f"memsaving plan: cannot load {model}: not a readable Keras model: {reason}")
+        bound = archive_footprint(model, size)
+        if bound is not None:  # refused before loading (TensorFlow takes seconds) when even this bound is too big
+            refuse_if_too_big(bound, batch, f"a training step of {model}", "give a smaller --batch or --size")
         return True
     if model not in BUILT_IN:
         raise UsageError(f"{model!r}: no such file, and no built-in model of that name: give the path of a saved "
@@ -424,6 +427,8 @@ def run(model: str, batch: int = 8, size: Optional[int] = None, checkpoints: str
         check_plot_path(plot)
     saved = check_model_argument(model, batch, size)
     clocks: Dict[str, Clock] = {}
+    with timed(clocks, "import tensorflow"):
+        import_tensorflow_quietly()
     for name in imports:
         with timed(clocks, f"import {name}"):
             import_modules([name])
