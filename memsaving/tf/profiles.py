@@ -33,9 +33,12 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2
 from tensorflow.python.eager import context
-from tensorflow.python.ops import handle_data_util, resource_variable_ops
+from tensorflow.python.ops import gradients_impl, handle_data_util, resource_variable_ops
 
 from memsaving.tf.forward import ops_made_in
+
+_tensorflow_gradients = gradients_impl.gradients_v2
+"""TensorFlow's ``tf.gradients`` itself, whatever ``memsaving.patch()`` made of the name."""
 from memsaving.tf.loop_pinning import pin_loop_iterations
 from memsaving.tf.profile_cache import OpProfile, ProfileCache, ProfileLimits
 from memsaving.tf.rows import static_shape
@@ -600,7 +603,10 @@ class _Measurement:
             op = build(values)
             xs = [t for t in op.inputs if _is_float(t.dtype) or t.dtype == tf.resource]
             with ops_made_in(op.graph) as made:
-                results = tf.gradients([op.outputs[i] for i in outputs], xs, grad_ys=list(upstream)) if xs else []
+                # TensorFlow's own function: tf.gradients may be memsaving's (memsaving.patch()), and
+                # profiling a profiled op's gradient would recurse without end
+                results = _tensorflow_gradients([op.outputs[i] for i in outputs], xs,
+                                                grad_ys=list(upstream)) if xs else []
             pin_loop_iterations(made)  # as memsaving.gradients runs them
             facts["extra"] = len(op.outputs) - n
             facts["reads"] = [i for i in range(n) if op.outputs[i].consumers()]

@@ -397,3 +397,32 @@ def test_unpatch_after_idiom_and_two_patches_restores_tensorflows_functions():
     memsaving.patch("memory")
     memsaving.unpatch()
     _assert_originals()
+
+
+def test_profiling_under_patch_uses_tensorflows_own_gradients(monkeypatch):
+    """Profiling an op builds its gradient with tf.gradients; under patch() that
+    name is memsaving's, and each profiled op's gradient was planned (and its
+    ops profiled) again, recursively: a TF1-style 24-layer MLP's minimize
+    printed 60-odd "profiled 1 kernel signatures" lines, hit RecursionError and
+    took 7.7 s.  Now memsaving.gradients runs once per minimize."""
+    from memsaving import api
+
+    calls = []
+    original = api.gradients_and_plan
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(api, "gradients_and_plan", counted)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [64, 64])
+        h = x
+        for i in range(6):
+            w = tf.compat.v1.get_variable(f"w{i}", [64, 64])
+            h = tf.nn.relu(tf.matmul(h, w))
+        loss = tf.reduce_mean(h * h)
+        with memsaving.patched("memory", profile=True):
+            tf.compat.v1.train.AdamOptimizer(1e-3).minimize(loss)
+    assert len(calls) == 1
