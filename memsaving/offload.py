@@ -128,7 +128,8 @@ def step_model(ys: Sequence[tf.Tensor], variables: Sequence, batch_size: int = 1
     the model it was made on."""
     xs = [_handle_in_graph(v) for v in variables]
     fwd = forward_graph(xs, list(ys))
-    return graph_model(fwd, batch_size=batch_size, profile="cached", in_use_bytes=bytes_in_use())
+    # the optimizer's update runs on the host with the parameters: none of its temporaries are the device's
+    return graph_model(fwd, batch_size=batch_size, profile="cached", in_use_bytes=bytes_in_use(), update_factor=0.0)
 
 
 def _handle_in_graph(variable) -> tf.Tensor:
