@@ -392,21 +392,26 @@ def test_keras_enable_budget_calibrates_from_below_during_fit(capsys):
 
 
 def test_keras_goes_lower_when_a_round_measures_over_the_budget():
-    """Memory the first plan did not see (a 4 MiB tensor held during the second step) puts its
-    round over the budget: the next trace plans lower."""
+    """Memory the first plan did not see (a tensor of half the budget held during the second
+    step) puts its round over the budget: the next trace plans lower, or, when the error measured
+    says no lower plan would fit, fit stops with a BudgetError listing the round."""
     budget = _keras_budget(0.6)
     model = _keras_mlp(use_bias=False)
     mkeras.enable(model, budget=budget, verbose=False)
     x, y = _keras_data()
-    hold = HoldAfterFirstStep(MiB * (budget // MiB // 4))
+    hold = HoldAfterFirstStep(MiB * (budget // MiB // 2))
+    error = None
     try:
         model.fit(x, y, batch_size=KERAS_BATCH, epochs=4, shuffle=False, verbose=0, callbacks=[hold])
-    except memsaving.BudgetError:
-        pass
+    except memsaving.BudgetError as raised:
+        error = raised
     rounds = mkeras.calibration_of(model).rounds
     _show("keras fit, a tensor held during step 2", rounds, budget)
     assert rounds[0].measured_peak > budget * (1 - HEADROOM)
-    assert len(rounds) >= 2 and rounds[1].planned_for < rounds[0].planned_for
+    if error is None:
+        assert len(rounds) >= 2 and rounds[1].planned_for < rounds[0].planned_for
+    else:
+        assert "error measured so far" in str(error) and "round 1:" in str(error)
 
 
 def test_keras_calibration_raises_with_the_measured_figures():
@@ -453,7 +458,7 @@ def keras_budget_figures(fraction: float) -> int:
 
 
 def test_keras_fit_trains_under_a_hard_memory_limit():
-    budget = in_a_fresh_process("test_fit_budget", "keras_budget_figures", 0.6, test_settings=False)
+    budget = in_a_fresh_process("test_fit_budget", "keras_budget_figures", 0.8, test_settings=False)
     figures = in_a_fresh_process("test_fit_budget", "keras_hard_limit_figures", test_settings=False,
                                  environment={"TF_CPU_BFC_MEM_LIMIT_IN_MB": str(budget // MiB)})
     assert figures["steps"] == 20 and figures["peak"] <= figures["budget"]
