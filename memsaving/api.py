@@ -35,6 +35,7 @@ from memsaving.planners.cache import model_key, remember, remembered
 from memsaving.planners.planning import Plan, make_plan
 from memsaving.planners.hybrid import plan_hybrid
 from memsaving.tf.loop_pinning import pin_loop_iterations
+from memsaving.tf.order import pin_step
 from memsaving.tf.rewrite import BackwardBuilder
 from memsaving.model.schedule import kept_set
 from memsaving.options import ACCEPTED_KEYWORDS, SWAP_KEYS, Options, parse_options
@@ -154,10 +155,13 @@ def gradients(
         (:mod:`memsaving.tf.profiles`, cached on disk), False leaves them out;
         by default they are measured with ``budget`` or ``"memory"`` and
         otherwise taken from the cache when there; ``follow_order``:
-        True makes each unit's gradient ops run in the order the plan was
-        scored in, with control edges (:mod:`memsaving.tf.order`); False
-        leaves the order to TensorFlow's executor, whose peak can then run
-        above the predicted one.  By default it is on, except when the
+        True makes the step run in the order the plan was scored in, with
+        control edges (:mod:`memsaving.tf.order`): with TensorFlow's
+        default thread pools the whole step, forward and backward, so that
+        its peak repeats from run to run; with one inter-op thread each
+        unit's gradient ops; False leaves the order to TensorFlow's
+        executor, whose peak can then move from run to run and run above
+        the predicted one.  By default it is on, except when the
         forward pass computes in float16 or bfloat16 (Grappler rewrites ops
         that carry control edges differently, and in half precision the
         gradients would then round differently from tf.gradients'); with
@@ -292,8 +296,9 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
         kept |= {t.op for emitter in emitters if emitter.name in named for t in emitter.outputs}
         steps = [(kind, by_name[anchor] if anchor else None, [by_name[n] for n in names])
                  for kind, anchor, names in plan_.steps]
+        follow = _follow_order(options.gradient.follow_order, fwd, plan_)
         builder = BackwardBuilder(fwd, kept, steps, gradients_fn, options.gradient.passed, probe=probe,
-                                  follow_order=_follow_order(options.gradient.follow_order, fwd, plan_))
+                                  chain_groups=follow and not model.ready_gradients_early)
         with ops_made_in(graph) as made:
             zeros = options.gradient.unconnected_gradients == tf.UnconnectedGradients.ZERO
             result = builder.build(ys, grad_ys, xs, zeros)
@@ -306,6 +311,8 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collect
             for emitter in emitters:
                 emitter.rewire()
         pin_loop_iterations(made)
+        if follow and model.ready_gradients_early:  # with one inter-op thread the groups are chained instead
+            pin_step(plan_.simulation.labels, builder.units, graph, made, result, ys)
         if plan_.swapped:
             by_tensor = {t.name: t for op in fwd.ops for t in op.outputs}
             insert_swaps(made, [by_tensor[n] for n in plan_.swapped],

@@ -196,10 +196,11 @@ class GraphModel:
         op's gradients are held together, as Checkmate's MILP counts them.
     ready_gradients_early
         the executor runs several kernels at once (more
-        than one inter-op thread), so a recomputed segment's gradient
-        kernels that read nothing the recomputation makes run while it does
-        (:func:`memsaving.sim.actions.ready_gradients_first`); with one thread
-        the recomputation, queued first, runs first.
+        than one inter-op thread, TensorFlow's default): an op's gradient
+        with respect to each input is a kernel of its own, each run when it
+        is ready, and the rewrite pins the whole step to the replay
+        (:mod:`memsaving.tf.order`); with one thread, an op's gradient
+        kernels are counted together.
     """
 
     ops: List[OpInfo]

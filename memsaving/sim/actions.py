@@ -421,20 +421,19 @@ class _BackwardPass:
         self.actions: List[Action] = [Action("seed gradients", [], seed_writes)]
 
     def run(self, unit: Unit) -> Dict[int, Key]:
-        """Append ``unit``'s actions; return its copies (``local``)."""
+        """Append ``unit``'s actions, in the order the step runs them
+        (:mod:`memsaving.tf.order` pins the step to this replay): its
+        copies in topological order, then its ops' gradients, last op
+        first; return its copies (``local``)."""
         local: Dict[int, Key] = {}
-        start = len(self.actions)
         if unit.kind in RECOMPUTING:
             self.recompute(unit, local)
         if unit.kind == UnitKind.ADVANCE:
             self.sources.update(local)
             return local
-        end = len(self.actions)
         differentiate = self.differentiate
         for i in reversed(unit.ops):
             differentiate(i, local)
-        if end > start and unit.kind == UnitKind.SEGMENT and self.model.ready_gradients_early:
-            self.actions[start:] = ready_gradients_first(self.actions[start:end], self.actions[end:])
         return local
 
     def run_unit(self, unit: Unit, token: int, memo: UnitMemo, made: Optional[Dict] = None) -> int:
@@ -592,35 +591,6 @@ def _forward_actions(model: GraphModel) -> Tuple[List[Action], Set[Key]]:
         actions.append(op_action(op, f"forward {op.name}", reads, writes))
     written = {key for action in actions for key, _ in action.writes}
     return _pin_view_bases(model, actions, written), written
-
-
-def ready_gradients_first(recompute: List[Action], backward: List[Action]) -> List[Action]:
-    """A segment's actions in the order a parallel executor runs them: the
-    gradient kernels that read nothing the recomputation makes (a Dense
-    layer's data gradient reads the incoming gradient and the weight), then
-    the recomputation, then the rest of the segment's gradient.
-
-    Those kernels are ready when the segment's incoming gradient is, as the
-    recomputation is; a free thread runs them at once, and what they make
-    is held through the recomputation.
-
-    Examples
-    --------
-    >>> recompute = [Action("recompute a", [], [(("c", 1), 4)])]
-    >>> backward = [Action("dW", [("g", 2), ("c", 1)], [(("g", 0), 4)]),
-    ...             Action("dx", [("g", 2), ("f", 9)], [(("g", 1), 4)])]
-    >>> [a.label for a in ready_gradients_first(recompute, backward)]
-    ['dx', 'recompute a', 'dW']
-    """
-    waiting = {key for action in recompute for key, _ in action.writes}
-    ready, late = [], []
-    for action in backward:
-        if not waiting.isdisjoint(action.reads):
-            late.append(action)
-            waiting.update(key for key, _ in action.writes)
-        else:
-            ready.append(action)
-    return ready + recompute + late
 
 
 def _view_bases(model: GraphModel) -> Dict[int, int]:

@@ -63,6 +63,7 @@ import tensorflow as tf
 from memsaving.model.swapping import SWAP_FUSE_LEVELS, SWAP_IN_LATEST, SWAP_IN_LEAD, check_copy_timing, fused_groups
 from memsaving.tf.forward import topological_order
 from memsaving.tf.measure import default_device
+from memsaving.tf.order import must_run
 from memsaving.tf.placement import same_device
 from memsaving.tf.rewrite import is_segment_proxy
 from memsaving.tf.swap_rewrite import gated_copy
@@ -238,7 +239,7 @@ class _Schedule:
         for op in topological_order(ops):
             preds = [t.op for t in op.inputs] + list(op.control_inputs)
             self.level[op] = 1 + max((self.level[p] for p in preds if p in self.level), default=-1)
-        self.live = _ancestors([r if isinstance(r, tf.Operation) else r.op for r in roots if r is not None])
+        self.live = must_run([r if isinstance(r, tf.Operation) else r.op for r in roots if r is not None])
         self.by_level: Dict[bool, Dict[int, List[tf.Operation]]] = {False: {}, True: {}}
         for op in ops:
             if self.may_trigger(op):
@@ -279,19 +280,6 @@ class _Schedule:
             if candidates:
                 return max(candidates, key=self.position.get)
         return None
-
-
-def _ancestors(ops: List[tf.Operation]) -> set:
-    """``ops`` and every op they depend on (data and control edges)."""
-    found, stack = set(), list(ops)
-    while stack:
-        op = stack.pop()
-        if op in found:
-            continue
-        found.add(op)
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
-    return found
 
 
 def _copy(value: tf.Tensor, uses: List[_Use], device: str, tag: str, schedule: _Schedule,

@@ -44,7 +44,7 @@ from tensorflow.python.ops import default_gradient
 from tensorflow.python.util import object_identity
 
 from memsaving.tf.aggregation import Gradient, aggregate, producing_ops
-from memsaving.tf.order import chain_gradient_groups, feeding_results, gradient_groups
+from memsaving.tf.order import WAIT_ON_INPUT, UnitOps, chain_gradient_groups, feeding_results, gradient_groups, waiting
 from memsaving.tf.extract import has_custom_gradient
 from memsaving.tf.forward import ForwardGraph, is_copyable, is_trainable, ops_made_in
 from memsaving.model.schedule import UnitKind, recomputes_anchor
@@ -105,13 +105,15 @@ class BackwardBuilder:
         gradients_fn: GradientsFn,
         gradient_kwargs: dict,
         probe: Optional[Callable[[str, list], object]] = None,
-        follow_order: bool = True,
+        chain_groups: bool = False,
     ):
         """``kept`` and ``steps`` come from the plan (memsaving.planners.planning):
         ``kept`` holds every op whose outputs are checkpoints (inner ones
         included), ``steps`` the units in execution order as ``(kind, anchor
         op, ops in topological order)``, so the rewrite copies exactly what
-        was scored."""
+        was scored.  ``chain_groups``: chain each unit's gradient ops group
+        by group (:func:`memsaving.tf.order.chain_gradient_groups`, for an
+        executor with one inter-op thread)."""
         self.fwd = fwd
         self.kept = kept
         self.steps = steps
@@ -128,7 +130,9 @@ class BackwardBuilder:
         # the next segment is recomputed (else the executor may defer them
         # and keep every segment's activations alive at once)
         self.previous_results: list = []
-        self.follow_order = follow_order
+        # the ops made for each action the simulator replays, for memsaving.tf.order
+        self.units = UnitOps()
+        self.chain_groups = chain_groups
 
     # -- predicates ---------------------------------------------------------
     def is_kept(self, tensor: tf.Tensor) -> bool:
@@ -158,7 +162,7 @@ class BackwardBuilder:
         if not boundary:
             return
         stops = stop_before_function_calls(ops, boundary + _outside_inputs(ops, boundary))
-        results = self._differentiate(ops, inner, [stops.get(t, t) for t in boundary], grad_ys=inner_grads,
+        results = self._differentiate(ops, ops, inner, [stops.get(t, t) for t in boundary], grad_ys=inner_grads,
                                       stop_gradients=[stops.get(t, t) for t in stops.originals])
         for t, g in zip(boundary, results):
             self.grads.add(t, g)
@@ -232,7 +236,7 @@ class BackwardBuilder:
             return
         stops = stop_before_function_calls([op], inputs)
         readers = [stops.get(t, t) for t in inputs]
-        results = self._differentiate([op], outs, readers, grad_ys=out_grads, stop_gradients=readers)
+        results = self._differentiate([op], [op], outs, readers, grad_ys=out_grads, stop_gradients=readers)
         for t, g in zip(inputs, results):
             self.grads.add(t, g)
         self._unit_results(results, waited=False)
@@ -250,9 +254,11 @@ class BackwardBuilder:
             wait_for.extend(producing_ops(g))
         return list({id(o): o for o in wait_for}.values())
 
-    def _copy_ops(self, ops, proxies, wait_for, prefix) -> dict:
+    def _copy_ops(self, ops, proxies, wait_for, prefix, kind: str) -> dict:
         """Copies of ``ops`` reading each other, ``proxies``, rebuilt inner
-        checkpoints, or else the forward tensors; roots wait on ``wait_for``."""
+        checkpoints, or else the forward tensors; roots wait on ``wait_for``.
+        ``kind``: ``"recompute"`` (a segment's) or ``"advance"``, as the
+        simulator names their actions."""
         copies = {}
         regions = object_identity.ObjectIdentityDictionary()  # a recomputed region's output -> its copy
 
@@ -280,10 +286,11 @@ class BackwardBuilder:
             control = [copies.get(c, c) for c in original.control_inputs]
             if not any(copied(t) for t in original.inputs):
                 if original.type in WAIT_ON_INPUT and wait_for:
-                    inputs[0] = _waiting(inputs[0], wait_for, prefix)
+                    inputs[0] = waiting(inputs[0], wait_for, prefix)
                 else:
                     control.extend(wait_for)
             copies[original] = copy_op(original, inputs, control, prefix)
+            self.units.copied(kind, original.name, copies[original])
             if has_custom_gradient(original):
                 copies[original]._gradient_function = self._reading_copies(  # pylint: disable=protected-access
                     get_gradient_function(original), copies)
@@ -323,7 +330,7 @@ class BackwardBuilder:
             return
         self.segments += 1
         copies = self._copy_ops(ops, object_identity.ObjectIdentityDictionary(), self._wait_for(out_grads),
-                                f"advance_{self.segments}/")
+                                f"advance_{self.segments}/", "advance")
         for original, copy in copies.items():
             for source, target in zip(original.outputs, copy.outputs):
                 self.sources[source] = target
@@ -338,9 +345,9 @@ class BackwardBuilder:
         for t in boundary:
             with tf.device(t.op.device):
                 proxies[t] = tf.identity(self.sources.get(t, t), name=f"segment_inputs_{self.segments}/{_PROXY_NAME}")
-        copies = self._copy_ops(ops, proxies, wait_for, prefix)
+        copies = self._copy_ops(ops, proxies, wait_for, prefix, "recompute")
         copied_outs = [copies[op].outputs[_output_index(op, t)] for t in outs]
-        results = self._differentiate([copies[o] for o in ops], copied_outs, list(proxies.values()),
+        results = self._differentiate(ops, [copies[o] for o in ops], copied_outs, list(proxies.values()),
                                       grad_ys=out_grads, first_wait_for=wait_for)
         if not recomputes_anchor(op.type):
             self._read_kept_outputs(op, copies[op])
@@ -351,17 +358,21 @@ class BackwardBuilder:
         nothing_recomputed = len(ops) == 1 and not recomputes_anchor(op.type)
         self._unit_results(results, waited=not nothing_recomputed)
 
-    def _differentiate(self, forward_ops: Sequence[tf.Operation], ys, xs, first_wait_for=(), **kwargs) -> list:
+    def _differentiate(self, originals: Sequence, forward_ops: Sequence[tf.Operation], ys, xs, first_wait_for=(),
+                       **kwargs) -> list:
         """``tf.gradients`` of one unit whose forward ops (in topological
-        order) are ``forward_ops``, its gradient ops chained last op first,
-        as the simulator runs them (:mod:`memsaving.tf.order`); the first ops
-        also wait on ``first_wait_for``, as the unit's copies do (a kept
-        anchor's gradient reads only kept tensors and would otherwise start
-        while earlier units still run)."""
+        order) are ``forward_ops``, copies of ``originals`` or the originals
+        themselves.  The ops it makes are recorded per forward op, for the
+        order of the whole step (:mod:`memsaving.tf.order`); with
+        ``chain_groups``, they are chained last op first, as the simulator
+        runs them, the first ones also waiting on ``first_wait_for``, as
+        the unit's copies do (a kept anchor's gradient reads only kept
+        tensors and would otherwise start while earlier units still run)."""
         with ops_made_in(ys[0].graph) as made:
             results = self.gradients_fn(ys, xs, **kwargs, **self.gradient_kwargs)
         release_gradient_constants(made)
-        if self.follow_order:
+        self.units.differentiated(made, forward_ops, [op.name for op in originals])
+        if self.chain_groups:
             chain_gradient_groups(gradient_groups(made, list(reversed(forward_ops))), list(first_wait_for),
                                   useful=feeding_results(made, results))
         return results
@@ -507,22 +518,6 @@ def _seed(y: tf.Tensor) -> tf.Tensor:
     their results through the rest of it, above the predicted peak."""
     with tf.control_dependencies([y]):
         return default_gradient.ones_like(y)
-
-
-WAIT_ON_INPUT = frozenset({"Pow"})
-"""Op types whose copies wait through their first input, not by control
-edges of their own.  Grappler's arithmetic optimizer rewrites ``x ** 3`` as
-``square(x) * x`` and, on a ``Pow`` that carries control inputs, leaves a
-node it then cannot find ("ConvertPow__inner_Pow does not exist"); the
-whole function then runs unoptimized (seen on recomputed tanh-Gelu in a
-keras_hub BERT budget plan)."""
-
-
-def _waiting(t: tf.Tensor, wait_for: Sequence[tf.Operation], prefix: str) -> tf.Tensor:
-    """``t`` passed through an Identity that waits on ``wait_for`` (the
-    Identity forwards ``t``'s buffer; nothing is copied)."""
-    with tf.device(t.op.device), tf.control_dependencies(list(wait_for)):
-        return tf.identity(t, name=f"{prefix}wait")
 
 
 def _fusable_bias_gradient(gradient, shared: Sequence[object_identity.ObjectIdentitySet]) -> bool:

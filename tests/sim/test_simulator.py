@@ -143,39 +143,26 @@ def _dense_chain(n: int, size: int, ready_gradients_early: bool) -> GraphModel:
     return GraphModel(ops, tensors, xs=[0] + weights, ys=[n], ready_gradients_early=ready_gradients_early)
 
 
-def test_a_parallel_executor_runs_ready_gradient_kernels_before_the_recomputation():
-    """With several inter-op threads, a segment's data gradients, which read
-    only the weights, run while the segment is recomputed: the prediction
-    must place them first and hold what they make through the recomputation."""
+def test_a_pinned_segment_replays_its_recomputation_first_whatever_the_threads():
+    """memsaving.tf.order pins the step to the replay, so the replay is the
+    order written: a segment's recomputation, then its gradient kernels,
+    last op first, one kernel per input with several inter-op threads
+    (before the order was pinned, the kernels that read nothing recomputed
+    were replayed first, as a free thread ran them)."""
+    for early in (False, True):
+        sim = simulate(_dense_chain(8, 100, early), checkpoint_ops=[3], cost=CostModel())
+        labels = sim.labels[sim.unit_ends[-2] + 1:]  # the last unit: recompute h1..h3, then their gradients
+        recomputed = [label for label in labels if label.startswith("recompute")]
+        assert labels[:len(recomputed)] == recomputed == [f"recompute matmul{i}" for i in range(3)]
+        gradients = [label.split()[-1] for label in labels[len(recomputed):]]
+        assert gradients == sorted(gradients, reverse=True)
+        if early:  # each product's two gradients, kernels of their own
+            assert gradients.count("matmul2") == 2
     one = simulate(_dense_chain(8, 100, False), checkpoint_ops=[3], cost=CostModel())
     many = simulate(_dense_chain(8, 100, True), checkpoint_ops=[3], cost=CostModel())
-
-    def segment(sim):  # the last unit: recompute h1..h3, then their gradients
-        start = sim.unit_ends[-2] + 1
-        return sim.labels[start:], sim.timeline[start:]
-
-    labels, _ = segment(one)
-    assert labels[0].startswith("recompute")  # one thread: the recomputation, queued first, runs first
-    labels, timeline = segment(many)
-    assert labels[0].startswith("backward")  # several: the data gradients are ready first
-    recompute = [i for i, label in enumerate(labels) if label.startswith("recompute")]
-    assert all(label.startswith("backward") for label in labels[:recompute[0]])
-    assert max(timeline) > max(segment(one)[1])  # and held while h1..h3 are recomputed
     assert many.recompute_cost == one.recompute_cost
     # the per-input kernels share the op's gradient cost: the step takes as long either way
     assert many.step_seconds == pytest.approx(one.step_seconds)
-
-
-def test_ready_gradients_first_examples():
-    import doctest
-
-    from memsaving.sim import actions as module
-    finder = doctest.DocTestFinder()
-    tests = [t for t in finder.find(module) if t.name.endswith("ready_gradients_first")]
-    assert tests and tests[0].examples
-    runner = doctest.DocTestRunner()
-    runner.run(tests[0])
-    assert runner.failures == 0
 
 
 def test_a_replaced_model_is_simulated_afresh():
