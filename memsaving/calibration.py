@@ -78,7 +78,8 @@ class CalibrationRound:
     """The allocator's peak during the step (everything on the device), the
     highest of the round's runs; the budget when the step ran out of memory."""
     spread: int = 0
-    """The highest less the lowest peak of the round's measured runs."""
+    """The highest less the lowest peak of the round's measured runs (its
+    runs after the first when the first is a graph's first run)."""
     resident: int = 0
     """The resident bytes of the plan predicted highest."""
     out_of_memory: bool = False
@@ -86,9 +87,22 @@ class CalibrationRound:
 
     @classmethod
     def from_peaks(cls, planned_for: int, predicted_peak: int, peaks: Sequence[int],
-                   resident: int = 0) -> "CalibrationRound":
-        """The round whose measured runs gave ``peaks``."""
-        return cls(planned_for, predicted_peak, max(peaks), max(peaks) - min(peaks), resident)
+                   resident: int = 0, first_run: bool = False) -> "CalibrationRound":
+        """The round whose measured runs gave ``peaks``.
+
+        ``first_run``: ``peaks[0]`` is the graph's first run, which also
+        allocates buffers kept for later runs (kernel caches, folded
+        constants).  It counts in the measured peak (the device must hold it
+        too) but not in the spread, which is the variation a later run of
+        the same step may show.
+
+        Examples
+        --------
+        >>> CalibrationRound.from_peaks(900, 800, [850, 820, 822], first_run=True).spread
+        2
+        """
+        repeated = peaks[1:] if first_run and len(peaks) > 1 else peaks
+        return cls(planned_for, predicted_peak, max(peaks), max(repeated) - min(repeated), resident)
 
     @property
     def lowest(self) -> bool:

@@ -481,18 +481,47 @@ def _surviving_out_of_memory(model: keras.Model, run: Callable[[], Any]) -> Any:
     calibrator = model.__dict__[_SETTINGS]["calibrator"]
     if calibrator is None or calibrator.final or calibrator.off:
         return run()
-    snapshot = [(v, np.array(v.numpy(), copy=True)) for v in _state_variables(model)]
+    calibrator.snapshot = _VariableSnapshot(model)
     while True:
         try:
             return run()
         except tf.errors.ResourceExhaustedError:
             if calibrator.final or calibrator.off:
                 raise
-            for variable, value in snapshot:
-                restore_variable(variable, value)
+            calibrator.snapshot.restore()
             calibrator.out_of_memory(model)  # raises when nothing lower may run
             _say(f"memsaving: {model.name}: a step ran out of memory during calibration; the variables are back "
                  "as fit began, and fit runs again on a lower plan", model.__dict__[_SETTINGS])
+
+
+class _VariableSnapshot:
+    """The values of the variables a training step changes, to put back when
+    ``fit`` runs again after an out-of-memory step.
+
+    Keras builds an optimizer (its step counter and slots) inside the first
+    traced step when no distribution strategy is set, after any callback
+    could record it: a built model's optimizer is built here first, as
+    Keras' own ``compile_from_config`` does.  Variables first seen later
+    (:meth:`add_missing`, when ``fit`` begins) are recorded with the values
+    they had then, before any step ran."""
+
+    def __init__(self, model: keras.Model):
+        self.model = model
+        self.values: Dict[int, Tuple[tf.Variable, np.ndarray]] = {}
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and not getattr(optimizer, "built", True) and model.built:
+            optimizer.build(model.trainable_variables)
+        self.add_missing()
+
+    def add_missing(self) -> None:
+        """Record the variables not recorded yet."""
+        for variable in _state_variables(self.model):
+            if id(variable) not in self.values:
+                self.values[id(variable)] = (variable, np.array(variable.numpy(), copy=True))
+
+    def restore(self) -> None:
+        for variable, value in self.values.values():
+            restore_variable(variable, value)
 
 
 def _state_variables(model: keras.Model) -> List[tf.Variable]:
@@ -587,6 +616,7 @@ class _Calibrator:
         self.pending: Optional[Tuple[List[Plan], List[int]]] = None  # (plans, measured peaks) of the trace being measured
         self.final = False  # the plan is chosen: nothing more to measure
         self.off = False
+        self.snapshot: Optional[_VariableSnapshot] = None  # the variables as the running fit began
         self.start = time.perf_counter()
 
     @contextlib.contextmanager
@@ -649,7 +679,8 @@ class _Calibrator:
         self.pending = None
         self.measured_function = model.train_function
         predicted, resident = predicted_figures(plans)
-        self._judge(model, plans, CalibrationRound.from_peaks(self.engine.target, predicted, peaks, resident))
+        self._judge(model, plans, CalibrationRound.from_peaks(self.engine.target, predicted, peaks, resident,
+                                                              first_run=True))
 
     def out_of_memory(self, model: keras.Model) -> None:
         """A step of the train function being measured ran out of memory."""
@@ -697,6 +728,10 @@ class _CalibrationCallback(keras.callbacks.Callback):
         super().__init__()
         self.calibrator = calibrator
         self.measuring = False
+
+    def on_train_begin(self, logs=None):
+        if self.calibrator.snapshot is not None:
+            self.calibrator.snapshot.add_missing()  # the optimizer fit built, before its first step
 
     def on_train_batch_begin(self, batch, logs=None):
         self.measuring = self.calibrator.begin_step(self.model)

@@ -478,7 +478,8 @@ def test_train_on_batch_is_measured_once_per_trace():
 
 def test_keras_judges_a_trace_on_its_highest_step_and_records_the_spread(monkeypatch):
     """The allocator's peaks after each measured step are scripted: the round is judged on the
-    highest of its MEASURED_STEPS steps, and its spread (highest less lowest) is recorded, which
+    highest of its MEASURED_STEPS steps, and its spread (highest less lowest of the steps after
+    the first, the graph's first run, which also allocates once-only buffers) is recorded, which
     a BudgetError's smallest_budget adds when above 2%."""
     scripted = [100 * MiB, 140 * MiB, 120 * MiB, 110 * MiB] + [999 * MiB] * 4
     assert len(scripted) > MEASURED_STEPS >= 2
@@ -491,7 +492,7 @@ def test_keras_judges_a_trace_on_its_highest_step_and_records_the_spread(monkeyp
         model.train_on_batch(x, y)
     (round_,) = mkeras.calibration_of(model).rounds
     steps = scripted[:MEASURED_STEPS]
-    assert round_.measured_peak == max(steps) and round_.spread == max(steps) - min(steps)
+    assert round_.measured_peak == max(steps) and round_.spread == max(steps[1:]) - min(steps[1:])
 
 
 # Bad input.
