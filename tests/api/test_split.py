@@ -370,6 +370,8 @@ def _lowest_split_of_a_gpt_in_a_calibration():
     return step(tokens)
 
 
+@pytest.mark.slow  # 27 s; test_multilevel_plan_with_regions_as_inner_checkpoints_has_every_gradient
+# forces the multi-level plan around regions whose lost gradients this guards against, in the default run
 def test_lowest_split_of_a_gpt_in_a_calibration_has_every_gradient(monkeypatch):
     """The lowest split plan's gradients equal tf.gradients'.  ``budget=``
     plans models with split regions single-level: multi-level plans with
