@@ -124,8 +124,10 @@ class CalibrationRound:
     def describe(self, budget: int) -> str:
         if self.out_of_memory:
             verdict = "out of memory"
-        elif self.measured_peak <= budget:
+        elif self.fits(budget):
             verdict = "fits"
+        elif self.measured_peak <= budget:
+            verdict = f"under the budget by less than the {_mib(room_needed(budget, self.spread))} of room it needs"
         else:
             verdict = "over"
         planned = (f"no plan predicted under {_mib(self.planned_for)}: the lowest plan" if self.lowest
