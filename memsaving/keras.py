@@ -501,7 +501,8 @@ class _VariableSnapshot:
     Keras builds an optimizer (its step counter and slots) inside the first
     traced step when no distribution strategy is set, after any callback
     could record it: a built model's optimizer is built here first, as
-    Keras' own ``compile_from_config`` does.  Variables first seen later
+    Keras' own ``compile_from_config`` does (with a strategy, ``fit``
+    builds it in the strategy's scope before it begins).  Variables first seen later
     (:meth:`add_missing`, when ``fit`` begins) are recorded with the values
     they had then, before any step ran."""
 
@@ -509,7 +510,8 @@ class _VariableSnapshot:
         self.model = model
         self.values: Dict[int, Tuple[tf.Variable, np.ndarray]] = {}
         optimizer = getattr(model, "optimizer", None)
-        if optimizer is not None and not getattr(optimizer, "built", True) and model.built:
+        if optimizer is not None and not getattr(optimizer, "built", True) and model.built \
+                and getattr(model, "_distribute_strategy", None) is None:
             optimizer.build(model.trainable_variables)
         self.add_missing()
 
