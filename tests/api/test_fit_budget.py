@@ -441,27 +441,44 @@ def test_keras_refuses_a_budget_below_every_plan_before_the_first_step():
 
 def keras_hard_limit_figures(steps: int = 20) -> dict:
     """``enable(model, budget=...)`` and ``fit`` for ``steps`` steps, the CPU allocator capped at the
-    budget (TF_CPU_BFC_MEM_LIMIT_IN_MB)."""
+    budget (TF_CPU_BFC_MEM_LIMIT_IN_MB); a BudgetError is returned as its first line."""
     budget = int(os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"]) * MiB
     model = _keras_mlp(use_bias=False)
     mkeras.enable(model, budget=budget, verbose=False)
     x, y = _keras_data(steps * KERAS_BATCH)
     tf.config.experimental.reset_memory_stats("CPU:0")
-    model.fit(x, y, batch_size=KERAS_BATCH, epochs=1, shuffle=False, verbose=0)
+    refused = None
+    try:
+        model.fit(x, y, batch_size=KERAS_BATCH, epochs=1, shuffle=False, verbose=0)
+    except memsaving.BudgetError as error:
+        refused = str(error).splitlines()[0]
     return {"steps": int(model.optimizer.iterations.numpy()), "budget": budget,
             "peak": int(tf.config.experimental.get_memory_info("CPU:0")["peak"]),
-            "rounds": len(mkeras.calibration_of(model).rounds)}
+            "rounds": [r.describe(budget) for r in mkeras.calibration_of(model).rounds], "refused": refused}
 
 
 def keras_budget_figures(fraction: float) -> int:
     return _keras_budget(fraction)
 
 
-def test_keras_fit_trains_under_a_hard_memory_limit():
+def test_keras_fit_under_a_hard_memory_limit_trains_or_refuses_with_its_state_intact():
+    """Under the cap ``fit`` never crashes and never loses the training state: it trains every
+    step, or a step runs out of memory during calibration, the variables go back as ``fit``
+    began, and it either trains on a lower plan or raises a BudgetError with no step counted.
+
+    Which of these happens depends on the machine: a capped CPU allocator grows its memory in
+    regions a buffer cannot span, so it holds less than its cap, and a plan measured under the
+    budget without the cap can run out of memory under it (seen in one fresh run out of four)."""
     budget = in_a_fresh_process("test_fit_budget", "keras_budget_figures", 0.8, test_settings=False)
     figures = in_a_fresh_process("test_fit_budget", "keras_hard_limit_figures", test_settings=False,
                                  environment={"TF_CPU_BFC_MEM_LIMIT_IN_MB": str(budget // MiB)})
-    assert figures["steps"] == 20 and figures["peak"] <= figures["budget"]
+    print(f"keras under a {budget // MiB} MiB cap: {figures['steps']} steps, rounds {figures['rounds']}, "
+          f"refused: {figures['refused']}")
+    assert figures["peak"] <= figures["budget"]
+    if figures["refused"] is None:
+        assert figures["steps"] == 20
+    else:
+        assert figures["steps"] == 0 and "out of memory" in " ".join(figures["rounds"])
 
 
 def test_train_on_batch_is_measured_once_per_trace():
