@@ -25,7 +25,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
@@ -342,7 +342,7 @@ def fit_to_budget(
                 raise refusal("memsaving.fit_to_budget", budget_bytes, predicted, resident, calibrator.ratio,
                               calibrator.rounds)
             if snapshot is None:
-                snapshot = [(v, np.array(v.numpy(), copy=True)) for v in concrete.variables]
+                snapshot = snapshot_values(concrete.variables)
             current = _measured_round(step, args, kwargs, calibrator.target, predicted, resident, budget_bytes,
                                       device, snapshot)
             decision = calibrator.record(current)
@@ -365,8 +365,7 @@ def fit_to_budget(
         return best_step
     finally:
         if restore_variables and snapshot is not None:
-            for variable, value in snapshot:
-                restore_variable(variable, value)
+            restore_values(snapshot)
 
 
 def _measured_round(step, args, kwargs, target: int, predicted: int, resident: int, budget: int,
@@ -374,16 +373,26 @@ def _measured_round(step, args, kwargs, target: int, predicted: int, resident: i
     """Run the step once (warm-up) and :data:`MEASURED_STEPS` times measured; a
     run that runs out of memory ends the round, and the variables are put
     back as they were before it."""
-    before = [(v, np.array(v.numpy(), copy=True)) for v, _ in snapshot]
+    before = snapshot_values(v for v, _ in snapshot)
     try:
         step(*args, **kwargs)  # the first run of a graph allocates once-only buffers
         peaks = [measure_peak(step, *args, device=device, **kwargs) for _ in range(MEASURED_STEPS)]
     except tf.errors.ResourceExhaustedError:
-        for variable, value in before:
-            restore_variable(variable, value)
+        restore_values(before)
         # the device's limit is the budget: the step needed at least that
         return CalibrationRound(target, predicted, budget, 0, resident, out_of_memory=True)
     return CalibrationRound.from_peaks(target, predicted, peaks, resident)
+
+
+def snapshot_values(variables: Iterable[tf.Variable]) -> List[Tuple[tf.Variable, np.ndarray]]:
+    """Each variable with a host copy of its value, for :func:`restore_values`."""
+    return [(variable, np.array(variable.numpy(), copy=True)) for variable in variables]
+
+
+def restore_values(snapshot: Iterable[Tuple[tf.Variable, np.ndarray]]) -> None:
+    """Put back the values :func:`snapshot_values` copied (:func:`restore_variable`)."""
+    for variable, value in snapshot:
+        restore_variable(variable, value)
 
 
 def restore_variable(variable: tf.Variable, value: np.ndarray) -> None:

@@ -52,7 +52,7 @@ from memsaving.planners.budget import format_bytes, parse_bytes
 from memsaving.errors import PeakMemoryUnavailableError
 from memsaving.calibration import CalibrationRound, Calibrator, Next
 from memsaving.fit_budget import (MEASURED_STEPS, Calibration, calibration_error, planning_target, predicted_figures,
-                                  refusal, restore_variable)
+                                  refusal, restore_values, snapshot_values)
 from memsaving.api import gradients_and_plan
 from memsaving.offload import offload_step, step_model
 from memsaving.tf.forward import ops_made_in
@@ -517,13 +517,12 @@ class _VariableSnapshot:
 
     def add_missing(self) -> None:
         """Record the variables not recorded yet."""
-        for variable in _state_variables(self.model):
-            if id(variable) not in self.values:
-                self.values[id(variable)] = (variable, np.array(variable.numpy(), copy=True))
+        missing = [v for v in _state_variables(self.model) if id(v) not in self.values]
+        for variable, value in snapshot_values(missing):
+            self.values[id(variable)] = (variable, value)
 
     def restore(self) -> None:
-        for variable, value in self.values.values():
-            restore_variable(variable, value)
+        restore_values(self.values.values())
 
 
 def _state_variables(model: keras.Model) -> List[tf.Variable]:
