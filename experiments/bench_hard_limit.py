@@ -21,7 +21,8 @@ each in a Python process of its own, with TensorFlow's default threads:
 
 Every step is a training step: mean squared error against zeros, gradients,
 an Adam update.  Budgets are ``resident + f x (plain peak - resident)``
-for ``f`` in ``--fractions`` (0.3, 0.5, 0.7): resident is what the
+for ``f`` in ``--fractions`` (0.3, 0.5, 0.7), rounded down to whole MiB so
+that the cap is the budget exactly: resident is what the
 allocator holds before the step (weights, Adam's slots, the batch), the
 plain peak the highest of the plain step's measured runs (no cap).  A
 budget is *feasible* when memory mode measures under it; an infeasible
@@ -233,7 +234,9 @@ def run_worker(route: str, name: str, quick: bool, budget: Optional[int] = None,
     """One route in a process of its own; ``cap`` (bytes) sets TF_CPU_BFC_MEM_LIMIT_IN_MB."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     if cap is not None:
-        env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(max(cap // MIB, 1))
+        if cap % MIB:
+            raise ValueError(f"the cap must be whole MiB (TF_CPU_BFC_MEM_LIMIT_IN_MB), not {cap} bytes")
+        env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(cap // MIB)
     command = [sys.executable, "-m", "experiments.bench_hard_limit", "--worker", route, "--models", name,
                "--budget", str(budget or 0)] + (["--quick"] if quick else [])
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -291,6 +294,17 @@ def _verdict(outcome: dict) -> str:
     return "ok" if outcome.get("completed") else "incomplete"
 
 
+def whole_mib_budget(resident: int, plain_peak: int, fraction: float) -> int:
+    """``resident + fraction x (plain_peak - resident)`` rounded down to whole
+    MiB: ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` takes whole MiB, and the cap must be
+    the budget itself, not up to a MiB below it (2-6% of these small models).
+
+    >>> whole_mib_budget(1 * MIB, 33 * MIB, 0.5) // MIB
+    17
+    """
+    return int(resident + fraction * (plain_peak - resident)) // MIB * MIB
+
+
 def sweep_model(name: str, quick: bool, fractions, progress) -> List[CaseResult]:
     probe = run_worker("probe", name, quick)
     if "skipped" in probe or "crashed" in probe:
@@ -304,7 +318,7 @@ def sweep_model(name: str, quick: bool, fractions, progress) -> List[CaseResult]
              f"{_mib(probe['memory']['predicted'])}), plain step {probe['plain']['seconds']:.3f} s")
     results = []
     for fraction in fractions:
-        budget = int(resident + fraction * (plain_peak - resident))
+        budget = whole_mib_budget(resident, plain_peak, fraction)
         case = CaseResult(name, fraction, budget, resident, plain_peak, memory_peak)
         case.routes["probe"] = probe
         case.routes["budget"] = run_worker("budget", name, quick, budget)

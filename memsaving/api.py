@@ -25,7 +25,7 @@ from memsaving.tf.checkpoints import Checkpoints, resolve_checkpoints
 from memsaving.planners.modes import memory_proposal, speed_proposal
 from memsaving.errors import BudgetError, CheckpointError, PlanWarning, feasible_budget
 from memsaving import fit_budget as _calibration
-from memsaving.planners.known_error import KNOWN_ERROR
+from memsaving.planners.known_error import HEADROOM, KNOWN_ERROR
 from memsaving.fit_budget import refusal
 from memsaving.tf.api_modules import stop_caching_gradients
 from memsaving.tf.extract import graph_model
@@ -553,7 +553,7 @@ def _within_known_error(error: BudgetError, budget: int, resident: int) -> Budge
     lowest = error.smallest_budget
     if lowest is None or lowest <= resident:
         return error
-    return refusal("memsaving.gradients", budget, lowest, resident, 1 + KNOWN_ERROR, headroom=0.0,
+    return refusal("memsaving.gradients", budget, lowest, resident, 1 + KNOWN_ERROR, headroom=HEADROOM,
                    how="budget= alone: nothing is measured, so the step is planned with room for it")
 
 

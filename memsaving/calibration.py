@@ -32,12 +32,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import List, Optional, Sequence
 
-from memsaving.planners.known_error import KNOWN_ERROR, admissible, safe_target
-
-HEADROOM = 0.02
-"""Fraction of the budget a measured peak must stay under to count as
-fitting: the same step measured again later (other work having changed what
-the allocator holds) can read a little higher."""
+from memsaving.planners.known_error import HEADROOM, KNOWN_ERROR, admissible, safe_target
 
 USED_ENOUGH = 0.90
 """A measured plan at or above this fraction of the budget uses it: the
@@ -60,8 +55,8 @@ def room_needed(figure: int, spread: int, fraction: float = HEADROOM) -> int:
 
     Examples
     --------
-    >>> room_needed(1000, 5), room_needed(1000, 50)
-    (20, 50)
+    >>> room_needed(1000, 5), room_needed(1000, 80)
+    (50, 80)
     """
     return max(int(math.ceil(fraction * figure)), int(spread))
 
@@ -163,12 +158,12 @@ class Calibrator:
 
     >>> c = Calibrator(budget=1000, max_rounds=4)
     >>> c.first_target(resident=200)
-    878
-    >>> c.record(CalibrationRound(878, 860, 794, resident=200))
+    852
+    >>> c.record(CalibrationRound(852, 840, 774, resident=200))
     <Next.RETRACE: 'retrace'>
     >>> c.target
-    980
-    >>> c.record(CalibrationRound(980, 975, 898, resident=200))
+    950
+    >>> c.record(CalibrationRound(950, 945, 905, resident=200))
     <Next.DONE: 'done'>
     >>> c.best
     1

@@ -86,8 +86,10 @@ def planning_budget(budget: Optional[Union[int, float, str]], resident: int) -> 
     Inside a calibration, its target.  Otherwise (``budget=`` alone, never
     measured) ``budget`` less room for the model's known error
     (:data:`memsaving.planners.known_error.KNOWN_ERROR` of the step memory above
-    ``resident``): a plan predicted that far under the budget still fits
-    when its step memory is that much above its prediction.  None when no
+    ``resident``) and for the allocator's headroom
+    (:data:`memsaving.planners.known_error.HEADROOM`): a plan predicted that
+    far under the budget still fits when its step memory is that much above
+    its prediction.  None when no
     budget was given.
     """
     if budget is None:
@@ -95,7 +97,7 @@ def planning_budget(budget: Optional[Union[int, float, str]], resident: int) -> 
     record = _ACTIVE.get()
     if record is not None and record.target is not None:
         return max(1, record.target)
-    return safe_target(parse_bytes(budget), resident, 1 + KNOWN_ERROR, headroom=0.0)
+    return safe_target(parse_bytes(budget), resident, 1 + KNOWN_ERROR, HEADROOM)
 
 
 def calibrating() -> bool:
@@ -243,7 +245,8 @@ def fit_to_budget(
        run it once (warm-up), then :data:`MEASURED_STEPS` times under
        :func:`memsaving.measure_peak`; the highest peak counts;
     2. the ratio of the measured to the predicted step memory replaces the
-       known error: when the peak is under the budget (less 2% headroom) and
+       known error: when the peak is under the budget (less the allocator's
+       headroom, :data:`memsaving.planners.known_error.HEADROOM`) and
        a higher plan is allowed, trace again for it; when it is over (or a
        run fails with an out-of-memory error: the variables are restored),
        trace again lower;

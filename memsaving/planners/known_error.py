@@ -18,6 +18,18 @@ KNOWN_ERROR = 0.15
 before anything of the model was measured, as a fraction of the predicted
 step memory (the peak above the resident bytes)."""
 
+HEADROOM = 0.05
+"""Fraction of the budget kept free beside a step's peak *bytes in use*.
+
+The device's limit is on the memory its allocator holds, not on the bytes
+in use: TensorFlow's BFC allocator hands a request a free chunk of up to
+twice its size whole, and a request needs one free chunk large enough in
+one region.  Under ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` steps measured 97.4-97.9%
+of the cap in bytes in use (attention encoder, 36 MiB) ran out of memory a
+few steps later, when the free memory left was in pieces too small for the
+next request.  A measured peak counts as fitting only this far under the
+budget, and plans are made for the budget less it."""
+
 
 def safe_target(budget: int, resident: int, ratio: float, headroom: float = 0.0) -> int:
     """The budget to plan for so that a plan whose step memory is ``ratio``

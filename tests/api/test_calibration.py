@@ -84,8 +84,9 @@ def test_rounds_run_out():
 def test_a_spread_wider_than_the_headroom_needs_that_room():
     c = Calibrator(BUDGET)
     c.first_target(RESIDENT)
-    steady = _round(c, c.target, int(0.97 * BUDGET), spread=0)
-    moving = _round(c, c.target, int(0.97 * BUDGET), spread=int(0.05 * BUDGET))
+    peak = int((1 - HEADROOM - 0.01) * BUDGET)
+    steady = _round(c, c.target, peak, spread=0)
+    moving = _round(c, c.target, peak, spread=int((HEADROOM + 0.03) * BUDGET))
     assert steady.fits(BUDGET) and not moving.fits(BUDGET)
 
 
