@@ -25,6 +25,7 @@ from memsaving.tf.checkpoints import Checkpoints, resolve_checkpoints
 from memsaving.planners.modes import memory_proposal, speed_proposal
 from memsaving.errors import BudgetError, CheckpointError, PlanWarning, feasible_budget
 from memsaving import fit_budget as _calibration
+from memsaving.planners.chunk_fit import fit_in_chunks
 from memsaving.planners.known_error import HEADROOM, KNOWN_ERROR
 from memsaving.fit_budget import refusal
 from memsaving.tf.api_modules import stop_caching_gradients
@@ -670,21 +671,24 @@ def _unsplit_plan(fwd, model, checkpoints, budget, options: Options, or_lowest: 
             "budget= found no candidate checkpoint (the graph between xs and ys has no cut); "
             "pass checkpoints=[tensors] as the candidates to choose from."
         )
-    try:
-        # a model with split regions gets single-level plans only: multi-level ones around its regions
-        # give equal gradients, but their peaks have not been measured against their predictions yet
-        chosen = plan_for_budget(model, pool, budget_bytes, keep_x_gradients=keep_x, cut_bytes=cut_bytes,
-                                 or_lowest=or_lowest, multilevel=not model.splits)
-    except BudgetError:
-        # the mode's own plan (checkpoints="memory"'s lowest-peak search) is one more candidate
-        proposed = _mode_plan(checkpoints, fwd, model, budget_bytes, keep_x)
-        if proposed is None or proposed.predicted_peak > budget_bytes:
-            raise
-        return fwd, proposed
-    swapped = _swapped(swap, fwd, model, chosen.checkpoint_ops, chosen.inner)
-    return fwd, make_plan(model, chosen.checkpoint_ops, "budget", budget=budget_bytes,
-                          keep_x_gradients=keep_x, inner=chosen.inner, swapped=swapped,
-                          cost=options.cost_model() if swapped else None)
+
+    def plan_at(target: int, lowest: bool) -> Plan:
+        try:
+            # a model with split regions gets single-level plans only: multi-level ones around its regions
+            # give equal gradients, but their peaks have not been measured against their predictions yet
+            chosen = plan_for_budget(model, pool, target, keep_x_gradients=keep_x, cut_bytes=cut_bytes,
+                                     or_lowest=lowest, multilevel=not model.splits)
+        except BudgetError:
+            # the mode's own plan (checkpoints="memory"'s lowest-peak search) is one more candidate
+            proposed = _mode_plan(checkpoints, fwd, model, target, keep_x)
+            if proposed is None or proposed.predicted_peak > target:
+                raise
+            return proposed
+        swapped = _swapped(swap, fwd, model, chosen.checkpoint_ops, chosen.inner)
+        return make_plan(model, chosen.checkpoint_ops, "budget", budget=target, keep_x_gradients=keep_x,
+                         inner=chosen.inner, swapped=swapped, cost=options.cost_model() if swapped else None)
+
+    return fwd, fit_in_chunks(plan_at, budget_bytes, or_lowest)
 
 
 def _mode_plan(checkpoints, fwd, model, budget_bytes: int, keep_x: bool) -> Optional[Plan]:

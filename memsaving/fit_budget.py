@@ -24,7 +24,7 @@ import functools
 import gc
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -120,9 +120,30 @@ def record_plan(plan: Plan) -> None:
 
 
 def predicted_figures(plans: Sequence[Plan]) -> Tuple[int, int]:
-    """The largest predicted peak among a trace's plans, and the resident bytes of that plan."""
-    highest = max(plans, key=lambda plan: plan.predicted_peak)
-    return highest.predicted_peak, highest.resident_bytes
+    """The largest predicted peak on the device (:attr:`Plan.device_peak`, the
+    allocator's chunks counted) among a trace's plans, and the resident
+    bytes of that plan."""
+    highest = max(plans, key=lambda plan: plan.device_peak)
+    return highest.device_peak, highest.resident_bytes
+
+
+def recomputes_nothing(plans: Sequence[Plan]) -> bool:
+    """Whether a trace's plans recompute nothing: no higher plan exists.
+
+    >>> from memsaving.planners.planning import Plan
+    >>> recomputes_nothing([Plan("budget", [], [], [], 100, 100, 1.0)])
+    True
+    """
+    return all(plan.predicted_compute <= 1.0 and not plan.swapped for plan in plans)
+
+
+def planned_target(plans: Sequence[Plan], target: int) -> int:
+    """The target a trace's plans were made for: ``target``, or lower where
+    the budget planner lowered it so that a plan's allocator chunks fit
+    (:attr:`Plan.planned_for`).  A plan well under this target is the
+    planner's highest for it, so a higher target is worth a new trace only
+    when this one was not lowered."""
+    return min([target] + [plan.planned_for for plan in plans if plan.planned_for is not None])
 
 
 # ----------------------------------------------------------------------------- the record users see
@@ -346,13 +367,15 @@ def fit_to_budget(
                               calibrator.rounds)
             if snapshot is None:
                 snapshot = snapshot_values(concrete.variables)
-            current = _measured_round(step, args, kwargs, calibrator.target, predicted, resident, budget_bytes,
-                                      device, snapshot)
+            current = replace(_measured_round(step, args, kwargs, planned_target(plans, calibrator.target), predicted,
+                                              resident, budget_bytes, device, snapshot),
+                              highest=recomputes_nothing(plans))
             decision = calibrator.record(current)
             for plan in plans:
                 plan.measured_peak = current.measured_peak
-            _say(verbose, f"memsaving.fit_to_budget: round {round_number}: {current.describe(budget_bytes)}")
-            if current.fits(budget_bytes):
+            _say(verbose, f"memsaving.fit_to_budget: round {round_number}: "
+                          f"{calibrator.rounds[-1].describe(budget_bytes)}")
+            if calibrator.rounds[-1].fits(budget_bytes):  # with the widest spread seen
                 kept[len(calibrator.rounds) - 1] = (step, plans)
             step = concrete = None
             if decision is Next.RETRACE:

@@ -42,6 +42,7 @@ import math
 import time
 import types
 import warnings
+from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import keras
@@ -51,8 +52,9 @@ import tensorflow as tf
 from memsaving.planners.budget import format_bytes, parse_bytes
 from memsaving.errors import PeakMemoryUnavailableError
 from memsaving.calibration import CalibrationRound, Calibrator, Next
-from memsaving.fit_budget import (MEASURED_STEPS, Calibration, calibration_error, planning_target, predicted_figures,
-                                  refusal, restore_values, snapshot_values)
+from memsaving.fit_budget import (MEASURED_STEPS, Calibration, calibration_error, planned_target, planning_target,
+                                  predicted_figures, recomputes_nothing, refusal, restore_values,
+                                  snapshot_values)
 from memsaving.api import gradients_and_plan
 from memsaving.offload import offload_step, step_model
 from memsaving.tf.forward import ops_made_in
@@ -680,8 +682,8 @@ class _Calibrator:
         self.pending = None
         self.measured_function = model.train_function
         predicted, resident = predicted_figures(plans)
-        self._judge(model, plans, CalibrationRound.from_peaks(self.engine.target, predicted, peaks, resident,
-                                                              first_run=True))
+        self._judge(model, plans, CalibrationRound.from_peaks(planned_target(plans, self.engine.target), predicted,
+                                                              peaks, resident, first_run=True))
 
     def out_of_memory(self, model: keras.Model) -> None:
         """A step of the train function being measured ran out of memory."""
@@ -690,18 +692,19 @@ class _Calibrator:
         if not plans:
             raise  # pylint: disable=misplaced-bare-raise
         predicted, resident = predicted_figures(plans)
-        self._judge(model, plans, CalibrationRound(self.engine.target, predicted, self.engine.budget, 0, resident,
-                                                   out_of_memory=True))
+        self._judge(model, plans, CalibrationRound(planned_target(plans, self.engine.target), predicted,
+                                                   self.engine.budget, 0, resident, out_of_memory=True))
 
     def _judge(self, model: keras.Model, plans: List[Plan], current: CalibrationRound) -> None:
         engine, report = self.engine, self.report
+        current = replace(current, highest=recomputes_nothing(plans))
         decision = engine.record(current)
         for plan in plans:
             plan.measured_peak = current.measured_peak
         report.rounds = list(engine.rounds)
         settings = model.__dict__[_SETTINGS]
         line = (f"memsaving: {model.name}: calibration round {len(engine.rounds)}: "
-                f"{current.describe(engine.budget)}")
+                f"{engine.rounds[-1].describe(engine.budget)}")
         if decision is Next.FAIL:
             _say(line, settings)
             raise calibration_error(f"memsaving.keras ({model.name})", engine.budget, engine)

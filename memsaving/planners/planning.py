@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, TextIO, Tuple
 
 from memsaving.model.graph import GraphModel
-from memsaving.planners.known_error import needed_budget
+from memsaving.planners.known_error import HEADROOM, needed_budget
 from memsaving.model.splitting import SplitRegion
 from memsaving.model.schedule import Inner, RECOMPUTING, UnitKind, backward_units, kept_set, validate_inner
 from memsaving.sim.offload import OffloadPrediction
@@ -144,6 +144,19 @@ class Plan:
     op runs in every plan, so no plan's peak goes below it: on a device
     whose convolution kernels take a large work buffer, it is the floor
     that recomputation cannot lower."""
+    chunk_peak: Optional[int] = None
+    """For a budget plan (no swaps): ``predicted_peak`` as TensorFlow's BFC
+    allocator would hold it, in whole chunks (the same replay through
+    :mod:`memsaving.sim.allocator`, from a fresh allocator).  The allocator
+    hands a request a free chunk of up to twice its size whole, so on nets
+    whose tensors come in many sizes (concatenations, attention) the device
+    holds 10-25% more than the bytes its tensors ask for.  None when not
+    replayed."""
+    planned_for: Optional[int] = None
+    """The target the budget planner finally planned for: the one asked
+    for, or lower where the plan for it held more than it in the allocator
+    model's chunks (:mod:`memsaving.planners.chunk_fit`).  None outside
+    budget planning."""
     offload: Optional[OffloadPrediction] = field(default=None, repr=False)
     """With parameters offloaded to the host (``offload_params``): the
     device's predicted peak and step time (:mod:`memsaving.sim.offload`).
@@ -151,13 +164,20 @@ class Plan:
     device."""
 
     @property
+    def device_peak(self) -> int:
+        """The figure a budget is checked against: the predicted peak, or the
+        allocator's chunks when they hold more (:attr:`chunk_peak`)."""
+        return max(self.predicted_peak, self.chunk_peak or 0)
+
+    @property
     def needed_budget(self) -> int:
         """The smallest ``budget=`` under which this plan may run: its
-        predicted peak with room for the model's known error
+        predicted peak on the device (:attr:`device_peak`) with room for the
+        model's known error and the allocator's headroom
         (:mod:`memsaving.planners.known_error`).  A budget below it gets a
         ``BudgetError`` before anything runs, though the plan is predicted
         under it: a device's memory is a hard limit, and predictions err."""
-        return needed_budget(self.predicted_peak, self.resident_bytes)
+        return needed_budget(self.device_peak, self.resident_bytes, headroom=HEADROOM)
 
     @property
     def above_plain(self) -> bool:
@@ -286,6 +306,11 @@ def make_plan(
     inplace = bool(swapped) if inplace is None else inplace
     sim = simulate(model, kept=kept, keep_x_gradients=keep_x_gradients, inner=inner, swapped=swapped, cost=cost,
                    inplace=inplace)
+    chunk_peak = None
+    if budget is not None and not swapped and cost is None:
+        # what the device holds decides whether a budget holds: replay the plan through the allocator model
+        chunk_peak = simulate(model, kept=kept, keep_x_gradients=keep_x_gradients, inner=inner, inplace=inplace,
+                              allocator=True).chunk_peak_bytes
     # plain tf.gradients runs the regions whole: its figures come from the model before folding
     unsplit = model.unfolded or model
     plain = simulate(unsplit, keep_x_gradients=keep_x_gradients, cost=cost, unpinned=True, plain=True)
@@ -330,6 +355,7 @@ def make_plan(
         simulation=sim,
         largest_work_buffer=max((op.work_buffer_bytes for op in model.ops), default=0),
         splits=list(model.splits),
+        chunk_peak=chunk_peak,
         **profile_fields(model),
     )
 

@@ -90,6 +90,32 @@ def test_a_spread_wider_than_the_headroom_needs_that_room():
     assert steady.fits(BUDGET) and not moving.fits(BUDGET)
 
 
+def test_a_round_needs_the_room_of_the_widest_spread_seen_in_any_round():
+    """The spread comes from the step and the allocator, not from one plan: a
+    later round whose few runs happened to agree still needs the room an
+    earlier round showed."""
+    c = Calibrator(BUDGET, max_rounds=4)
+    c.first_target(RESIDENT)
+    wide = int((HEADROOM + 0.08) * BUDGET)
+    # round 1: far under the budget, but its runs moved by 13% of it
+    assert c.record(_round(c, c.target, int(0.6 * BUDGET), spread=wide)) is Next.RETRACE
+    # round 2: its runs agree, its peak is under the budget by less than that spread
+    peak = BUDGET - wide + MiB
+    assert c.record(_round(c, c.target, peak, spread=0)) is Next.RETRACE  # over: plan lower
+    assert c.rounds[-1].spread == wide and not c.rounds[-1].fits(BUDGET)
+    assert c.best == 0
+
+
+def test_a_plan_measured_again_ends_the_climb():
+    """The planner gave the plan of an earlier round for a higher target: nothing higher to measure."""
+    c = Calibrator(BUDGET)
+    c.first_target(RESIDENT)
+    plan = c.target
+    assert c.record(_round(c, plan, int(0.5 * BUDGET))) is Next.RETRACE
+    # the next plan is made for more and comes out the same (with more in use before the step)
+    assert c.record(CalibrationRound(c.target, plan + MiB, int(0.5 * BUDGET), 0, RESIDENT + MiB)) is Next.DONE
+
+
 @pytest.mark.parametrize("ratio", [0.8, 1.0, 1.3])
 def test_admissible_and_safe_target_agree(ratio):
     target = safe_target(BUDGET, RESIDENT, ratio, HEADROOM)
@@ -100,5 +126,6 @@ def test_admissible_and_safe_target_agree(ratio):
 def test_no_climb_when_the_next_plan_would_not_be_higher():
     c = Calibrator(BUDGET)
     c.first_target(RESIDENT)
-    # the planner's plan is well under the target: more memory gives the same plan
-    assert c.record(_round(c, c.target - int(2 * MIN_STEP_UP * BUDGET), int(0.5 * BUDGET))) is Next.DONE
+    # the plan recomputes nothing: more memory gives the same plan
+    plan = c.target - int(2 * MIN_STEP_UP * BUDGET)
+    assert c.record(CalibrationRound(c.target, plan, int(0.5 * BUDGET), 0, RESIDENT, highest=True)) is Next.DONE

@@ -138,9 +138,10 @@ def test_fit_to_budget_starts_below_the_budget_and_fits():
 def test_a_low_first_round_climbs_to_a_higher_plan(monkeypatch):
     mlp = MLP()
     budget = _budget_between(mlp, 0.7)
-    _scripted_peaks(monkeypatch, [0.6, 0.95], budget)
+    _scripted_peaks(monkeypatch, [0.6, 0.93], budget)
     step = memsaving.fit_to_budget(mlp.step(budget), mlp.x, budget=budget, max_rounds=3)
     rounds = step.calibration.rounds
+    _show("climb", rounds, budget)
     assert len(rounds) == 2 and rounds[1].planned_for > rounds[0].planned_for
     assert step.calibration.chosen == 1 and rounds[1].predicted_peak <= budget
 
@@ -162,7 +163,7 @@ def test_a_round_that_runs_out_of_memory_restores_the_variables_and_goes_lower(m
     counter the step increments goes back to 0), and round 2 plans lower and is returned."""
     mlp = MLP()
     budget = _budget_between(mlp, 0.7)
-    _scripted_peaks(monkeypatch, ["oom", 0.9], budget)
+    _scripted_peaks(monkeypatch, ["oom", 0.92], budget)
     runs = tf.Variable(0)
 
     def counted(x):
@@ -366,7 +367,7 @@ class HoldAfterFirstStep(keras.callbacks.Callback):
 
 
 def test_keras_enable_budget_calibrates_from_below_during_fit(capsys):
-    budget = _keras_budget(0.6)
+    budget = _keras_budget(0.8)
     model = _keras_mlp(use_bias=False)
     mkeras.enable(model, budget=budget, verbose=True)
     x, y = _keras_data()
