@@ -114,9 +114,15 @@ class CalibrationRound:
         predicted = max(self.predicted_peak - self.resident, 1)
         return max(self.measured_peak - self.resident, 0) / predicted
 
+    def room(self, budget: int) -> int:
+        """The room under ``budget`` the round's peak must leave: the headroom
+        of the step's room (the budget less what was in use before the step),
+        or the round's spread when that is more."""
+        return room_needed(budget - self.resident, self.spread)
+
     def fits(self, budget: int) -> bool:
-        """Measured under ``budget`` less the room the round's spread needs."""
-        return not self.out_of_memory and self.measured_peak <= budget - room_needed(budget, self.spread)
+        """Measured under ``budget`` less :meth:`room`."""
+        return not self.out_of_memory and self.measured_peak <= budget - self.room(budget)
 
     def describe(self, budget: int) -> str:
         if self.out_of_memory:
@@ -124,7 +130,7 @@ class CalibrationRound:
         elif self.fits(budget):
             verdict = "fits"
         elif self.measured_peak <= budget:
-            verdict = f"under the budget by less than the {_mib(room_needed(budget, self.spread))} of room it needs"
+            verdict = f"under the budget by less than the {_mib(self.room(budget))} of room it needs"
         else:
             verdict = "over"
         planned = (f"no plan predicted under {_mib(self.planned_for)}: the lowest plan" if self.lowest
@@ -160,12 +166,12 @@ class Calibrator:
 
     >>> c = Calibrator(budget=1000, max_rounds=4)
     >>> c.first_target(resident=200)
-    852
-    >>> c.record(CalibrationRound(852, 840, 774, resident=200))
+    860
+    >>> c.record(CalibrationRound(860, 840, 776, resident=200))
     <Next.RETRACE: 'retrace'>
     >>> c.target
-    950
-    >>> c.record(CalibrationRound(950, 945, 905, resident=200))
+    960
+    >>> c.record(CalibrationRound(960, 955, 905, resident=200))
     <Next.DONE: 'done'>
     >>> c.best
     1
@@ -222,7 +228,8 @@ class Calibrator:
             # a plan whose step memory an earlier round had: the planner gave it again for more memory
             step_memory = current.predicted_peak - current.resident
             seen_before = any(r.predicted_peak - r.resident == step_memory for r in self.rounds[:-1])
-            if current.lowest or current.highest or seen_before \
+            # a target no higher than this round's gives no higher plan
+            if current.lowest or current.highest or seen_before or target <= current.planned_for \
                     or target < current.predicted_peak + MIN_STEP_UP * budget:
                 return Next.DONE
             self.target = target
@@ -249,4 +256,5 @@ class Calibrator:
         if not measured:
             return None
         lowest = min(measured, key=lambda r: r.measured_peak)
-        return lowest.measured_peak + room_needed(lowest.measured_peak, lowest.spread)
+        step = lowest.measured_peak - lowest.resident
+        return max(lowest.resident + int(math.ceil(step / (1 - HEADROOM))), lowest.measured_peak + lowest.spread)

@@ -19,42 +19,46 @@ before anything of the model was measured, as a fraction of the predicted
 step memory (the peak above the resident bytes)."""
 
 HEADROOM = 0.05
-"""Fraction of the budget kept free beside a step's peak *bytes in use*.
+"""Fraction of the step's room (the budget less what is in use before the
+step) kept free beside its peak *bytes in use*.
 
 The device's limit is on the memory its allocator holds, not on the bytes
 in use: TensorFlow's BFC allocator hands a request a free chunk of up to
 twice its size whole, and a request needs one free chunk large enough in
 one region.  Under ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` steps measured 97.4-97.9%
-of the cap in bytes in use (attention encoder, 36 MiB) ran out of memory a
-few steps later, when the free memory left was in pieces too small for the
-next request.  A measured peak counts as fitting only this far under the
-budget, and plans are made for the budget less it."""
+of the cap in bytes in use (an attention encoder: 36 MiB, 8 MiB of it
+weights and inputs) ran out of memory a few steps later, when the free
+memory left was in pieces too small for the next request.  The pieces come
+from the step's own allocations and frees (what was in use before it was
+allocated once), so the room kept is a fraction of the step's room: a
+measured peak counts as fitting only this far under the budget, and plans
+are made for the budget less it."""
 
 
 def safe_target(budget: int, resident: int, ratio: float, headroom: float = 0.0) -> int:
     """The budget to plan for so that a plan whose step memory is ``ratio``
     times its prediction still stays under ``budget`` less ``headroom``
-    (a fraction of it).
+    (a fraction of the step's room, ``budget - resident``).
 
     Examples
     --------
-    >>> safe_target(1000, 200, 1.0), safe_target(1000, 200, 2.0)
-    (1000, 600)
+    >>> safe_target(1000, 200, 1.0), safe_target(1000, 200, 2.0), safe_target(1000, 200, 1.0, 0.05)
+    (1000, 600, 960)
     """
-    room = budget * (1 - headroom) - resident
+    room = (budget - resident) * (1 - headroom)
     return int(resident + max(room, 0) / max(ratio, 1e-9))
 
 
 def admissible(predicted: int, resident: int, budget: int, ratio: float, headroom: float = 0.0) -> bool:
     """Whether a plan predicted at ``predicted`` may run under ``budget``:
-    its step memory times ``ratio`` fits ``budget`` less ``headroom``.
+    its step memory times ``ratio`` fits the step's room less ``headroom``.
 
     Examples
     --------
     >>> admissible(800, 200, 1000, 1.15), admissible(900, 200, 1000, 1.15)
     (True, False)
     """
-    return resident + (predicted - resident) * ratio <= budget * (1 - headroom)
+    return (predicted - resident) * ratio <= (budget - resident) * (1 - headroom)
 
 
 def needed_budget(predicted: int, resident: int, ratio: float = 1 + KNOWN_ERROR, headroom: float = 0.0) -> int:
@@ -65,7 +69,8 @@ def needed_budget(predicted: int, resident: int, ratio: float = 1 + KNOWN_ERROR,
     --------
     >>> needed_budget(800, 200)
     890
-    >>> admissible(needed_budget(800, 200), 200, needed_budget(800, 200), 1.0)
-    True
+    >>> needed = needed_budget(800, 200, headroom=0.05)
+    >>> admissible(800, 200, needed, 1.15, 0.05), admissible(800, 200, needed - 1, 1.15, 0.05)
+    (True, False)
     """
-    return int(math.ceil((resident + max(predicted - resident, 0) * ratio) / (1 - headroom)))
+    return int(resident + math.ceil(max(predicted - resident, 0) * ratio / (1 - headroom)))

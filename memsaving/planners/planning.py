@@ -145,7 +145,7 @@ class Plan:
     whose convolution kernels take a large work buffer, it is the floor
     that recomputation cannot lower."""
     chunk_peak: Optional[int] = None
-    """For a budget plan (no swaps): ``predicted_peak`` as TensorFlow's BFC
+    """For a plan without swaps: ``predicted_peak`` as TensorFlow's BFC
     allocator would hold it, in whole chunks (the same replay through
     :mod:`memsaving.sim.allocator`, from a fresh allocator).  The allocator
     hands a request a free chunk of up to twice its size whole, so on nets
@@ -307,7 +307,7 @@ def make_plan(
     sim = simulate(model, kept=kept, keep_x_gradients=keep_x_gradients, inner=inner, swapped=swapped, cost=cost,
                    inplace=inplace)
     chunk_peak = None
-    if budget is not None and not swapped and cost is None:
+    if not swapped and cost is None:
         # what the device holds decides whether a budget holds: replay the plan through the allocator model
         chunk_peak = simulate(model, kept=kept, keep_x_gradients=keep_x_gradients, inner=inner, inplace=inplace,
                               allocator=True).chunk_peak_bytes

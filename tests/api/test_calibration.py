@@ -19,8 +19,8 @@ def test_the_first_plan_leaves_room_for_the_known_error():
     c = Calibrator(BUDGET)
     target = c.first_target(RESIDENT)
     # a plan predicted at the target, whose step memory is the known error above its prediction,
-    # still fits the budget less the headroom
-    assert RESIDENT + (target - RESIDENT) * (1 + KNOWN_ERROR) <= BUDGET * (1 - HEADROOM) + 1
+    # still fits the budget less the headroom (a fraction of the step's room)
+    assert RESIDENT + (target - RESIDENT) * (1 + KNOWN_ERROR) <= (BUDGET - HEADROOM * (BUDGET - RESIDENT)) + 1
     assert c.may_run(target, RESIDENT)
     assert not c.may_run(target + MiB, RESIDENT)
 
@@ -39,7 +39,7 @@ def test_a_plan_measured_low_is_followed_by_a_higher_one_never_above_the_budget_
     assert c.record(_round(c, first, low)) is Next.RETRACE
     assert c.target > first
     assert c.target == safe_target(BUDGET, RESIDENT, 1.0, HEADROOM)  # the measured 0.5 is not trusted below 1
-    assert c.target <= BUDGET * (1 - HEADROOM)
+    assert c.target <= (BUDGET - HEADROOM * (BUDGET - RESIDENT))
 
 
 def test_a_plan_measured_over_the_budget_is_followed_by_a_lower_one_and_the_best_is_kept():
@@ -71,7 +71,8 @@ def test_the_lowest_plan_over_the_budget_fails_unless_something_fit():
     assert lowest.lowest
     assert c.record(lowest) is Next.FAIL
     assert "lowest plan" in c.reason
-    assert c.smallest_measured_budget() == BUDGET + MiB + room_needed(BUDGET + MiB, 0)
+    needed = c.smallest_measured_budget()
+    assert needed - room_needed(needed - RESIDENT, 0) == BUDGET + MiB  # that budget fits it, to the byte
 
 
 def test_rounds_run_out():
@@ -104,6 +105,18 @@ def test_a_round_needs_the_room_of_the_widest_spread_seen_in_any_round():
     assert c.record(_round(c, c.target, peak, spread=0)) is Next.RETRACE  # over: plan lower
     assert c.rounds[-1].spread == wide and not c.rounds[-1].fits(BUDGET)
     assert c.best == 0
+
+
+def test_no_retrace_for_a_target_no_higher_than_the_round_that_fits():
+    """A round that fits with a measured ratio above the known error: the target that ratio
+    allows is lower than this round's, and the planner would give no higher plan there."""
+    c = Calibrator(BUDGET)
+    first = c.first_target(RESIDENT)
+    predicted = first - 10 * MiB
+    measured = RESIDENT + int(1.2 * (predicted - RESIDENT))  # ratio 1.2, under 90% of the budget
+    assert measured < USED_ENOUGH * BUDGET
+    assert safe_target(BUDGET, RESIDENT, 1.2, HEADROOM) < first
+    assert c.record(_round(c, predicted, measured)) is Next.DONE and c.best == 0
 
 
 def test_a_plan_measured_again_ends_the_climb():
