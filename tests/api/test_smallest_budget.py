@@ -132,3 +132,49 @@ def test_garbage_is_not_counted_as_memory_in_use():
         if collecting:
             gc.enable()
     assert abs(with_garbage - clean) < MIB
+
+
+def _concatenating_net(layers=10, width=20, batch=512):
+    """Each layer's output is concatenated to its input: tensors of many sizes, which the allocator
+    hands chunks of up to twice their size."""
+    rng = np.random.RandomState(5)
+    weights = [tf.Variable((rng.randn(width * (k + 1), width) * 0.1).astype(np.float32)) for k in range(layers)]
+
+    def loss_fn(x):
+        h = x
+        for w in weights:
+            h = tf.concat([h, tf.nn.relu(tf.matmul(h, w))], axis=1)
+        return tf.reduce_sum(h * h)
+
+    return weights, loss_fn, tf.random.normal([batch, width], seed=4)
+
+
+def test_a_budget_plan_fits_its_target_as_the_allocator_holds_it():
+    """The planner searches by the bytes live tensors ask for; the device holds whole chunks.
+    A budget plan's replay through the allocator model (``chunk_peak``) fits the target the
+    budget allows, and the figure a budget is checked against (``device_peak``) is the higher."""
+    from memsaving.planners.known_error import HEADROOM, KNOWN_ERROR, safe_target
+
+    weights, loss_fn, x = _concatenating_net()
+    found = {}
+
+    @tf.function
+    def probe(x):
+        found["memory"] = memsaving.plan(loss_fn(x), weights, checkpoints="memory", profile=False)
+        return tf.constant(0)
+
+    probe.get_concrete_function(x)
+    memory = found["memory"]
+    assert memory.chunk_peak is not None and memory.device_peak == max(memory.predicted_peak, memory.chunk_peak)
+    budget = memory.needed_budget + (memory.plain_peak - memory.predicted_peak) // 2
+
+    @tf.function
+    def step(x):
+        found["budget"] = memsaving.plan(loss_fn(x), weights, budget=budget, profile=False)
+        return tf.constant(0)
+
+    step.get_concrete_function(x)
+    plan = found["budget"]
+    target = safe_target(budget, plan.resident_bytes, 1 + KNOWN_ERROR, HEADROOM)
+    assert plan.chunk_peak is not None and plan.device_peak <= target
+    assert plan.planned_for is not None and plan.planned_for <= target
