@@ -338,7 +338,7 @@ def sweep_model(name: str, quick: bool, fractions, progress) -> List[CaseResult]
 
 COLUMNS = ["model", "f", "budget MiB", "feasible", "plain (cap)", "memory (cap)", "memory MiB", "budget plan MiB",
            "predicted MiB", "plan/budget", "spread %", "compute (memory)", "fit (cap)", "keras (cap)",
-           "alone (cap)", "calibration / plain steps"]
+           "alone (cap)", "fit peak/budget", "calibration / plain steps"]
 
 
 def row(case: CaseResult) -> list:
@@ -357,6 +357,7 @@ def row(case: CaseResult) -> list:
             f"{spread:.1f}" if spread is not None else "-",
             (f"{plan['compute']:.2f} ({probe['memory']['compute']:.2f})" if peaks else "-"),
             _verdict(fit), _verdict(case.routes["keras"]), _verdict(case.routes["alone"]),
+            f"{fit['peak'] / case.budget:.3f}" if not failed(fit) and fit.get("peak") else "-",
             f"{calibration / plain_seconds:.0f}" if calibration is not None else "-"]
 
 
@@ -374,13 +375,21 @@ def summary(cases: List[CaseResult]) -> List[str]:
                      + " feasible cases; refused before any step in "
                      + share(infeasible, lambda c: refused_before_running(c.routes[route])) + " infeasible ones")
     met = [c for c in cases if "memory_cap" in c.routes and not failed(c.routes["memory_cap"])]
-    unmet = [c for c in cases if "memory_cap" in c.routes and failed(c.routes["memory_cap"])]
     lines.append("memory mode trains 20 steps under the cap in " + share(cases, lambda c: c in met)
-                 + " cases; counting those as the feasible ones:")
+                 + " cases; there:")
     for route in ("fit", "keras", "alone"):
-        lines.append(f"  {route}: 20 steps under the cap in " + share(met, lambda c: not failed(c.routes[route]))
-                     + "; refused before any step in " + share(unmet, lambda c: refused_before_running(c.routes[route]))
-                     + " of the others")
+        lines.append(f"  {route}: 20 steps under the cap in " + share(met, lambda c: not failed(c.routes[route])))
+    lines.append("promise kept (20 steps under the cap, or a BudgetError before any step), every case:")
+    for route in ("fit", "keras", "alone"):
+        kept = share(cases, lambda c: not failed(c.routes[route]) or refused_before_running(c.routes[route]))
+        broken = [f"{c.model} {c.fraction}" for c in cases
+                  if failed(c.routes[route]) and not refused_before_running(c.routes[route])]
+        lines.append(f"  {route}: {kept}" + (f"; broken: {', '.join(broken)}" if broken else ""))
+    fit_used = [c.routes["fit"]["peak"] / c.budget for c in cases
+                if not failed(c.routes["fit"]) and c.routes["fit"].get("peak")]
+    if fit_used:
+        lines.append(f"fit_to_budget's steps under the cap peaked at {statistics.median(fit_used):.3f}x their budget "
+                     f"(median; {min(fit_used):.3f}-{max(fit_used):.3f}x)")
     used = [max(c.routes["budget"]["peaks"]) / c.budget for c in feasible if c.routes["budget"].get("peaks")]
     if used:
         lines.append(f"budget= plans measured at {statistics.median(used):.3f}x their budget (median), "
