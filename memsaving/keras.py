@@ -50,7 +50,7 @@ import numpy as np
 import tensorflow as tf
 
 from memsaving.planners.budget import format_bytes, parse_bytes
-from memsaving.errors import PeakMemoryUnavailableError
+from memsaving.errors import BudgetError, PeakMemoryUnavailableError
 from memsaving.calibration import CalibrationRound, Calibrator, Next
 from memsaving.fit_budget import (MEASURED_STEPS, Calibration, calibration_error, planned_target, planning_target,
                                   predicted_figures, recomputes_nothing, refusal, restore_values,
@@ -479,7 +479,9 @@ def _surviving_out_of_memory(model: keras.Model, run: Callable[[], Any]) -> Any:
     A device raises ``ResourceExhaustedError`` when a step needs more than
     it has: during calibration that is one more measurement (the plan is
     over the budget), not the end of training.  Steps before the failed one
-    are undone with it, so ``fit`` starts again from its first step."""
+    are undone with it, so ``fit`` starts again from its first step.  When
+    calibration finds that no plan may run (``BudgetError``), the steps its
+    rounds ran are undone too: the error leaves the model as ``fit`` found it."""
     calibrator = model.__dict__[_SETTINGS]["calibrator"]
     if calibrator is None or calibrator.final or calibrator.off:
         return run()
@@ -487,6 +489,10 @@ def _surviving_out_of_memory(model: keras.Model, run: Callable[[], Any]) -> Any:
     while True:
         try:
             return run()
+        except BudgetError:
+            # no plan may run: fit ends with the model as it began, not with the rounds' steps applied
+            calibrator.snapshot.restore()
+            raise
         except tf.errors.ResourceExhaustedError:
             if calibrator.final or calibrator.off:
                 raise
@@ -635,8 +641,8 @@ class _Calibrator:
         (predicted over the budget, or under it by less than the known
         error).  The allocator's peak restarts: what planning allocated
         (profiling ops) is not the step's."""
-        if not self.engine.may_run(plan.predicted_peak, plan.resident_bytes):
-            raise refusal(f"memsaving.keras ({model.name})", self.engine.budget, plan.predicted_peak,
+        if not self.engine.may_run(plan.device_peak, plan.resident_bytes):
+            raise refusal(f"memsaving.keras ({model.name})", self.engine.budget, plan.device_peak,
                           plan.resident_bytes, self.engine.ratio, self.engine.rounds)
         self.plans.append(plan)
         if not self.off:

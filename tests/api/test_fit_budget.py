@@ -392,6 +392,26 @@ def test_keras_enable_budget_calibrates_from_below_during_fit(capsys):
     assert max(peaks.peaks) <= budget
 
 
+def test_a_keras_budget_error_after_rounds_leaves_the_model_as_fit_found_it(monkeypatch):
+    """Every step measures twice the budget: round 1 is over, and the error measured leaves no
+    plan that may run.  fit raises a BudgetError, and the steps round 1 ran are undone: the
+    weights and the optimizer's step counter are as before fit (before, 3 steps stayed applied)."""
+    import memsaving.keras as keras_module
+
+    budget = _keras_budget(0.8)
+    model = _keras_mlp(use_bias=False)
+    mkeras.enable(model, budget=budget, verbose=False)
+    x, y = _keras_data()
+    monkeypatch.setattr(keras_module, "peak_bytes", lambda device=None: 2 * budget)
+    model.optimizer.build(model.trainable_variables)
+    before = [w.numpy().copy() for w in model.weights]
+    with pytest.raises(memsaving.BudgetError):
+        model.fit(x, y, batch_size=KERAS_BATCH, epochs=3, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0
+    for w, value in zip(model.weights, before):
+        np.testing.assert_array_equal(w.numpy(), value)
+
+
 def test_keras_goes_lower_when_a_round_measures_over_the_budget():
     """Memory the first plan did not see (a tensor of half the budget held during the second
     step) puts its round over the budget: the next trace plans lower, or, when the error measured
