@@ -185,7 +185,10 @@ def gradients(
         piece alive at a time, forward and backward; ``"auto"`` lets the
         planner split where one op's footprint is what a budget cannot fit
         (:mod:`memsaving.planners.splits`).  Gradients then equal
-        ``tf.gradients``' up to the order of float summation.
+        ``tf.gradients``' up to the order of float summation;
+        ``multilevel``: True lets a budget below every single-level plan get
+        a multi-level (recursive) plan (off by default: their peaks measure
+        1.13-1.5x their predictions and move from run to run).
 
     Stateful ops (variable reads, random ops, calls with side effects) and
     control-flow ops are never recomputed; their outputs are kept.
@@ -588,7 +591,7 @@ def _cache_key(model, checkpoints, budget, options: Options, or_lowest: bool):
         return None  # names tensors of one graph
     key = (model_key(model), checkpoints, budget, or_lowest, options.planner.keep_x_gradients,
            options.planner.planning_time, options.hardware, options.swap.swap, options.swap.emit,
-           options.planner.split)
+           options.planner.split, options.planner.multilevel)
     try:
         hash(key)
     except TypeError:  # swap= a list of tensors
@@ -677,7 +680,7 @@ def _unsplit_plan(fwd, model, checkpoints, budget, options: Options, or_lowest: 
             # a model with split regions gets single-level plans only: multi-level ones around its regions
             # give equal gradients, but their peaks have not been measured against their predictions yet
             chosen = plan_for_budget(model, pool, target, keep_x_gradients=keep_x, cut_bytes=cut_bytes,
-                                     or_lowest=lowest, multilevel=not model.splits)
+                                     or_lowest=lowest, multilevel=options.planner.multilevel and not model.splits)
         except BudgetError:
             # the mode's own plan (checkpoints="memory"'s lowest-peak search) is one more candidate
             proposed = _mode_plan(checkpoints, fwd, model, target, keep_x)
@@ -713,6 +716,7 @@ def plan(
     profile: Optional[bool] = None,
     planning_time: Optional[float] = DEFAULT_PLANNING_SECONDS,
     split=None,
+    multilevel: bool = False,
     **swap_kwargs,
 ) -> Plan:
     """The plan ``gradients`` would execute, with its predicted peak and compute.
@@ -741,6 +745,8 @@ def plan(
         :func:`gradients` (default 30; None: no limit).
     split
         regions computed in pieces of rows, as for :func:`gradients`.
+    multilevel
+        allow multi-level plans under a budget, as for :func:`gradients`.
     **swap_kwargs
         ``swap`` and its options, as for :func:`gradients`.
 
@@ -778,7 +784,8 @@ def plan(
     _check_tensors(xs, "xs")
     options = parse_options({"stop_gradients": stop_gradients, "batch_size": batch_size,
                              "keep_x_gradients": keep_x_gradients, "profile": True if profile is None else profile,
-                             "planning_time": planning_time, "split": split, **swap_kwargs})
+                             "planning_time": planning_time, "split": split, "multilevel": multilevel,
+                             **swap_kwargs})
     ys, xs = _graph_tensors(ys, xs)
     return _plan(ys, xs, checkpoints, budget, options, shown=True)[1]
 

@@ -47,16 +47,18 @@ def loss_ancestors(reads, outputs) -> list:
 def both_gradients(model, x, params, checkpoints, budget=None):
     """Plain and memsaving gradients of the same forward graph (same random draws).
 
-    ``budget="smallest"`` plans for the smallest feasible budget (usually a
-    multi-level plan)."""
+    ``budget="smallest"`` plans for the smallest feasible budget with
+    multi-level plans allowed (usually a multi-level plan)."""
     loss, cps = model.forward(x, params)
     chosen = cps if checkpoints == "model" else checkpoints
     xs = list(params) + [x]
     plain = tf.gradients(loss, xs)
+    extra = {}
     if budget == "smallest":
         chosen = "memory"
-        budget = smallest_budget(loss, xs)
-    ours = memsaving.gradients(loss, xs, checkpoints=chosen, budget=budget)
+        extra = {"multilevel": True}
+        budget = smallest_budget(loss, xs, **extra)
+    ours = memsaving.gradients(loss, xs, checkpoints=chosen, budget=budget, **extra)
     kinds = [(type(a).__name__, type(b).__name__) for a, b in zip(plain, ours)]
     return [dense(g) for g in plain], [dense(g) for g in ours], kinds
 

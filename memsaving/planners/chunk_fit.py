@@ -24,7 +24,13 @@ from memsaving.planners.budget import no_plan_fits
 from memsaving.planners.planning import Plan
 
 TRIES = 3
-"""Lower targets tried after the first plan, before giving up."""
+"""Lower targets tried after the first plan, before the planner's lowest plan."""
+
+STEP_DOWN = 0.02
+"""The least a next target is lowered by, as a fraction of the first
+target's room above the resident bytes (doubling with each try): a plan
+whose chunks went over by a few bytes is not asked for again a few bytes
+lower."""
 
 
 def fit_in_chunks(plan_at: Callable[[int, bool], Plan], target: int, or_lowest: bool, tries: int = TRIES) -> Plan:
@@ -32,15 +38,19 @@ def fit_in_chunks(plan_at: Callable[[int, bool], Plan], target: int, or_lowest: 
     device peak (chunks included) fits ``target``.
 
     ``plan_at(t, lowest)`` plans for ``t``; with ``lowest`` False it raises
-    ``BudgetError`` when nothing is predicted under ``t``.  When no plan
-    tried fits, the one of lowest device peak is returned if ``or_lowest``,
-    else a ``BudgetError`` names the budget it needs.
+    ``BudgetError`` when nothing is predicted under ``t``, with ``lowest``
+    True it returns the lowest plan it finds instead.  Lower targets are
+    tried, each lower by what the last plan's chunks went over (at least
+    :data:`STEP_DOWN` of the room above the resident bytes, doubling), and
+    last the planner's lowest plan, whose chunks may fit where a plan
+    predicted higher does not.  When none fits, the one of lowest device
+    peak is returned if ``or_lowest``, else a ``BudgetError`` names the
+    budget it needs.
 
     Examples
     --------
     A planner whose plans hold 20% more in chunks than predicted:
 
-    >>> from dataclasses import replace
     >>> from memsaving.planners.planning import Plan
     >>> def plan_at(target, lowest):
     ...     peak = max(min(target, 1000), 600)
@@ -53,23 +63,28 @@ def fit_in_chunks(plan_at: Callable[[int, bool], Plan], target: int, or_lowest: 
     """
     plan = plan_at(target, or_lowest)
     plan.planned_for = target
-    lowest = plan
+    if plan.device_peak <= target:
+        return plan
+    tried = [plan]
+    resident = plan.resident_bytes
     lowered = target
-    for _ in range(tries):
-        if plan.device_peak <= target:
-            return plan
-        lowered -= plan.device_peak - target
-        if lowered <= plan.resident_bytes:
+    for attempt in range(tries):
+        lowered -= max(plan.device_peak - target, int(STEP_DOWN * (target - resident)) << attempt)
+        if lowered <= resident:
             break
         try:
             plan = plan_at(lowered, False)
         except BudgetError:
             break
         plan.planned_for = lowered
-        if plan.device_peak < lowest.device_peak:
-            lowest = plan
-    if plan.device_peak <= target:
-        return plan
+        if plan.device_peak <= target:
+            return plan
+        tried.append(plan)
+    floor = plan_at(resident, True)  # nothing fits the resident bytes alone: the planner's lowest plan
+    floor.planned_for = floor.predicted_peak
+    if floor.device_peak <= target:
+        return floor
+    lowest = min(tried + [floor], key=lambda p: p.device_peak)
     if or_lowest:
         return lowest
     raise no_plan_fits("checkpoint plan", target, feasible_budget(lowest.device_peak),

@@ -58,7 +58,7 @@ def multilevel_figures() -> dict:
     budget = needed_budget(target, resident)
     assert plans["memory"].predicted_peak > target, "the target must be below the single-level plan"
 
-    tight_run, tight_grads = step("tight", budget=budget)
+    tight_run, tight_grads = step("tight", budget=budget, multilevel=True)
     tight_run.get_concrete_function(x)
     tight_grads.get_concrete_function(x)
     plan = plans["tight"]

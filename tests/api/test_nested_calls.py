@@ -57,7 +57,9 @@ def test_grouped_convolutions_give_the_gradients_of_tf_gradients(kwargs):
         # intermediates), which a plan made before would not have counted
         plain = tf.gradients(loss, variables)
         if kwargs.get("budget") == "smallest":  # planned in the same trace (a multi-level plan)
-            kwargs["budget"] = smallest_budget(loss, variables, checkpoints="memory", profile=False)
+            kwargs["multilevel"] = True
+            kwargs["budget"] = smallest_budget(loss, variables, checkpoints="memory", profile=False,
+                                               multilevel=True)
         return plain, memsaving.gradients(loss, variables, **kwargs)
 
     plain, ours = both(x)

@@ -68,7 +68,8 @@ def test_every_accepted_keyword_is_parsed():
     parsed_fields = {"name", "unconnected_gradients", "stop_gradients", "follow_order", "batch_size", "profile",
                      "swap", "swap_device", "swap_trigger", "swap_lb", "swap_ub", "swap_fuse", "swap_backend",
                      "bandwidth", "flops_per_second", "gate_gradients", "aggregation_method",
-                     "colocate_gradients_with_ops", "planning_time", "split", "offload_params", "offload_device"}
+                     "colocate_gradients_with_ops", "planning_time", "split", "offload_params", "offload_device",
+                     "multilevel"}
     assert ACCEPTED_KEYWORDS == parsed_fields
 
 
@@ -144,7 +145,8 @@ def test_an_infinite_planning_time_is_refused_in_favour_of_none():
         parse_options({"planning_time": float("inf")})
 
 
-@pytest.mark.parametrize("key", ["swap_fuse", "follow_order", "profile", "offload_params", "keep_x_gradients"])
+@pytest.mark.parametrize("key", ["swap_fuse", "follow_order", "profile", "offload_params", "keep_x_gradients",
+                                 "multilevel"])
 def test_a_bool_option_refuses_what_is_not_a_bool(key):
     """swap_fuse='no' used to count as True."""
     with pytest.raises(TypeError, match=rf"{key}='no' is not supported: pass {key}=True .*{key}=False"):
