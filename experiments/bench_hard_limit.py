@@ -211,7 +211,9 @@ def _keras_route(case, budget: int) -> dict:
     model = case.model
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     memsaving.keras.enable(model, budget=budget, verbose=False)
-    data = tf.data.Dataset.from_tensors((case.inputs, case.targets)).repeat(STEPS)
+    # tf.data stacks a list of tensors into one: a model of several inputs gets them as a tuple
+    inputs = tuple(case.inputs) if isinstance(case.inputs, list) else case.inputs
+    data = tf.data.Dataset.from_tensors((inputs, case.targets)).repeat(STEPS)
     result: dict = {}
     tf.config.experimental.reset_memory_stats("CPU:0")
     start = time.perf_counter()
@@ -291,7 +293,8 @@ def _mib(n) -> str:
 
 def _verdict(outcome: dict) -> str:
     if "crashed" in outcome:
-        return "CRASH"
+        # ended by a signal (a capped allocator's segfault), or by an error of the benchmark itself
+        return "CRASH" if outcome["crashed"].startswith("signal") else "ERROR"
     if outcome.get("error") == "BudgetError":
         return "refused" if not outcome.get("steps_before_error") else f"BudgetError after {outcome['steps_before_error']}"
     if outcome.get("error"):

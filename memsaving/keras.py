@@ -83,6 +83,7 @@ def enable(
     offload_params: bool = False,
     offload_device: str = "/CPU:0",
     split=None,
+    multilevel: bool = False,
 ) -> keras.Model:
     """Make ``model.fit`` / ``train_on_batch`` compute gradients with memsaving.
 
@@ -145,6 +146,9 @@ def enable(
         when that lowers the predicted peak), as for
         :func:`memsaving.gradients` (``split=``); not with
         ``offload_params`` yet.
+    multilevel : bool
+        allow multi-level plans under a budget, as for
+        :func:`memsaving.gradients` (off by default: their peaks err more).
 
     XLA (``jit_compile=True``) schedules the whole step itself and would
     ignore the recomputation order, so it is turned off for this model
@@ -183,7 +187,7 @@ def enable(
                          "budget cannot fit otherwise) or leave it out; name ops to split with "
                          "memsaving.gradients(..., split={op: pieces}) in a custom training step")
     # bad values fail here, not at the first step
-    parse_options({"planning_time": planning_time, "split": split, "swap": swap or None,
+    parse_options({"planning_time": planning_time, "split": split, "swap": swap or None, "multilevel": multilevel,
                    "offload_params": offload_params or None, "offload_device": offload_device})
     offload = OffloadOptions(device=offload_device) if offload_params else None
     if offload is not None and same_device(offload_device, default_device()):
@@ -201,6 +205,7 @@ def enable(
         "verbose": verbose,
         "planning_time": planning_time,
         "split": split,
+        "multilevel": multilevel,
         "calibrator": calibrator,
         "offload": offload,
         "jit_compile": previous["jit_compile"] if previous else model.jit_compile,
@@ -858,6 +863,7 @@ def _train_step(self: keras.Model, data):
                 loss, weights, checkpoints=settings["checkpoints"], budget=settings["budget"],
                 batch_size=unknown_size, swap=settings["swap"] or None,
                 planning_time=settings["planning_time"], split=settings["split"],
+                multilevel=settings.get("multilevel", False),
             )
         plan.batch_size = batch
         plan.batch_source = source

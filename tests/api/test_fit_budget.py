@@ -59,7 +59,7 @@ class MLP:
         def train_step(x):
             unseen = tf.tile(x, [self.unseen_copies, 1]) * 2.0
             loss = self.loss(x)
-            grads = memsaving.gradients(loss, self.weights, checkpoints="memory", budget=budget)
+            grads = memsaving.gradients(loss, self.weights, checkpoints="memory", budget=budget, multilevel=True)
             for w, g in zip(self.weights, grads):
                 w.assign_sub(1e-3 * g)
             with tf.control_dependencies(grads):
@@ -282,7 +282,8 @@ def test_fit_to_budget_restore_leaves_the_memory_in_use_as_calibration_measured_
     runs = tf.Variable(0.0)
 
     def step(x):
-        grads = memsaving.gradients(mlp.loss(x), mlp.weights, checkpoints="memory", budget=budget)
+        grads = memsaving.gradients(mlp.loss(x), mlp.weights, checkpoints="memory", budget=budget,
+                                    multilevel=True)
         runs.assign_add(1.0)
         return tf.add_n([tf.reduce_sum(g) for g in grads])
 
@@ -369,7 +370,7 @@ class HoldAfterFirstStep(keras.callbacks.Callback):
 def test_keras_enable_budget_calibrates_from_below_during_fit(capsys):
     budget = _keras_budget(0.8)
     model = _keras_mlp(use_bias=False)
-    mkeras.enable(model, budget=budget, verbose=True)
+    mkeras.enable(model, budget=budget, verbose=True, multilevel=True)
     x, y = _keras_data()
     model.fit(x, y, batch_size=KERAS_BATCH, epochs=3, shuffle=False, verbose=0)
     printed = capsys.readouterr().out
@@ -400,7 +401,7 @@ def test_a_keras_budget_error_after_rounds_leaves_the_model_as_fit_found_it(monk
 
     budget = _keras_budget(0.8)
     model = _keras_mlp(use_bias=False)
-    mkeras.enable(model, budget=budget, verbose=False)
+    mkeras.enable(model, budget=budget, verbose=False, multilevel=True)
     x, y = _keras_data()
     monkeypatch.setattr(keras_module, "peak_bytes", lambda device=None: 2 * budget)
     model.optimizer.build(model.trainable_variables)
@@ -418,7 +419,7 @@ def test_keras_goes_lower_when_a_round_measures_over_the_budget():
     says no lower plan would fit, fit stops with a BudgetError listing the round."""
     budget = _keras_budget(0.6)
     model = _keras_mlp(use_bias=False)
-    mkeras.enable(model, budget=budget, verbose=False)
+    mkeras.enable(model, budget=budget, verbose=False, multilevel=True)
     x, y = _keras_data()
     hold = HoldAfterFirstStep(MiB * (budget // MiB // 2))
     error = None
@@ -438,7 +439,7 @@ def test_keras_goes_lower_when_a_round_measures_over_the_budget():
 def test_keras_calibration_raises_with_the_measured_figures():
     budget = _keras_budget(0.6)
     model = _keras_mlp(use_bias=True)
-    mkeras.enable(model, budget=budget, verbose=False, calibration_rounds=1)
+    mkeras.enable(model, budget=budget, verbose=False, calibration_rounds=1, multilevel=True)
     x, y = _keras_data()
     with pytest.raises(memsaving.BudgetError) as caught:
         model.fit(x, y, batch_size=KERAS_BATCH, epochs=2, shuffle=False, verbose=0,
@@ -453,7 +454,7 @@ def test_keras_calibration_raises_with_the_measured_figures():
 def test_keras_refuses_a_budget_below_every_plan_before_the_first_step():
     plan_budget = _keras_budget(0.0)  # the resident bytes: no plan fits
     model = _keras_mlp(use_bias=False)
-    mkeras.enable(model, budget=plan_budget, verbose=False)
+    mkeras.enable(model, budget=plan_budget, verbose=False, multilevel=True)
     x, y = _keras_data()
     with pytest.raises(memsaving.BudgetError, match="Nothing was run"):
         model.fit(x, y, batch_size=KERAS_BATCH, epochs=1, shuffle=False, verbose=0)
@@ -465,7 +466,7 @@ def keras_hard_limit_figures(steps: int = 20) -> dict:
     budget (TF_CPU_BFC_MEM_LIMIT_IN_MB); a BudgetError is returned as its first line."""
     budget = int(os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"]) * MiB
     model = _keras_mlp(use_bias=False)
-    mkeras.enable(model, budget=budget, verbose=False)
+    mkeras.enable(model, budget=budget, verbose=False, multilevel=True)
     x, y = _keras_data(steps * KERAS_BATCH)
     tf.config.experimental.reset_memory_stats("CPU:0")
     refused = None
