@@ -140,9 +140,8 @@ def recomputes_nothing(plans: Sequence[Plan]) -> bool:
 def planned_target(plans: Sequence[Plan], target: int) -> int:
     """The target a trace's plans were made for: ``target``, or lower where
     the budget planner lowered it so that a plan's allocator chunks fit
-    (:attr:`Plan.planned_for`).  A plan well under this target is the
-    planner's highest for it, so a higher target is worth a new trace only
-    when this one was not lowered."""
+    (:attr:`Plan.planned_for`).  The calibration climbs only to a target
+    above it: the planner gives no higher plan for one at or below it."""
     return min([target] + [plan.planned_for for plan in plans if plan.planned_for is not None])
 
 
