@@ -33,9 +33,11 @@ except ImportError:  # Windows has none: writers take turns by creating a marker
 
 logger = logging.getLogger("memsaving")
 
-FORMAT = 3
+FORMAT = 4
 """Version of the measurement procedure and of the cache file (3: function
-calls' gradients are measured through their own gradient functions).
+calls' gradients are measured through their own gradient functions; 4: what
+an op keeps for its gradient counts the bytes its extra outputs ask for, not
+the chunks they happened to hold).
 Entries of an older version are ignored and the file replaced; a newer
 version's file is left alone (this process then keeps its profiles in
 memory)."""
