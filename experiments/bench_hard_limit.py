@@ -20,7 +20,13 @@ each in a Python process of its own, with TensorFlow's default threads:
 * ``keras`` (cap): ``memsaving.keras.enable(model, budget=...)`` then
   ``fit`` for 20 steps;
 * ``alone`` (cap): a step with ``memsaving.gradients(..., budget=...)``
-  alone, 20 steps.
+  alone, 20 steps;
+* for the models of ``SPLIT_MODELS`` (a GPT-style model with a wide
+  vocabulary head), the same with ``split="auto"``: ``split_lowest`` (no
+  cap) measures the lowest split plan (``split="auto"`` without a budget),
+  which makes such a budget *feasible* when it measures under it;
+  ``split_alone`` and ``split_fit`` (cap) train with ``budget=`` and
+  ``split="auto"`` alone and through ``fit_to_budget``.
 
 Every step is a training step: mean squared error against zeros, gradients,
 an Adam update.  Budgets are ``resident + f x (plain peak - resident)``
@@ -58,6 +64,8 @@ RUNS = 5
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 NAME = "hard_limit"
 CAPPED_ROUTES = ("plain", "memory_cap", "fit", "keras", "alone")
+SPLIT_ROUTES = ("split_alone", "split_fit")
+"""Capped routes of the models in ``SPLIT_MODELS``: budget plans that may split ops (``split="auto"``)."""
 
 
 # ------------------------------------------------------------------------------------- in the worker
@@ -96,6 +104,13 @@ def _worker(route: str, name: str, quick: bool, budget: Optional[int]) -> dict:
             elif mode == "memory":
                 grads, captured["plan"] = memsaving.gradients_and_plan(loss, variables, checkpoints="memory",
                                                                        batch_size=case.batch)
+            elif mode == "split_lowest":
+                grads, captured["plan"] = memsaving.gradients_and_plan(loss, variables, checkpoints="memory",
+                                                                       split="auto", batch_size=case.batch)
+            elif mode == "split":
+                grads, captured["plan"] = memsaving.gradients_and_plan(loss, variables, checkpoints="memory",
+                                                                       budget=budget, split="auto",
+                                                                       batch_size=case.batch)
             else:
                 grads, captured["plan"] = memsaving.gradients_and_plan(loss, variables, budget=budget,
                                                                        batch_size=case.batch)
@@ -111,16 +126,21 @@ def _worker(route: str, name: str, quick: bool, budget: Optional[int]) -> dict:
         return _probe(body_for, args, captured, result)
     if route == "budget":
         return _measured_route(tf.function(body_for("budget")), args, captured, result)
+    if route == "split_lowest":
+        return _measured_route(tf.function(body_for("split_lowest")), args, captured, result)
+    if route == "split_alone":
+        return _run_steps(tf.function(body_for("split")), args, optimizer, result, STEPS)
     if route == "plain":
         return _run_steps(tf.function(body_for("plain")), args, optimizer, result, STEPS)
     if route == "memory_cap":
         return _run_steps(tf.function(body_for("memory")), args, optimizer, result, STEPS)
     if route == "alone":
         return _run_steps(tf.function(body_for("budget")), args, optimizer, result, STEPS)
-    if route == "fit":
+    if route in ("fit", "split_fit"):
         start = time.perf_counter()
         try:
-            step = memsaving.fit_to_budget(body_for("budget"), *args, budget=budget)
+            step = memsaving.fit_to_budget(body_for("split" if route == "split_fit" else "budget"), *args,
+                                           budget=budget)
         except memsaving.BudgetError as error:
             result.update(error="BudgetError", message=str(error).splitlines()[0][:300],
                           steps_before_error=int(optimizer.iterations.numpy()))
@@ -272,10 +292,18 @@ class CaseResult:
     plain_peak: int
     memory_peak: int
     routes: Dict[str, dict] = field(default_factory=dict)
+    split_peak: Optional[int] = None
+    """The lowest split plan's measured peak (``split="auto"`` without a
+    budget), for the models whose budgets are tried with splitting."""
 
     @property
     def feasible(self) -> bool:
         return self.memory_peak <= self.budget
+
+    @property
+    def split_feasible(self) -> bool:
+        """Some split plan meets the budget as measured (None: not tried)."""
+        return self.split_peak is not None and min(self.split_peak, self.memory_peak) <= self.budget
 
 
 def failed(outcome: dict) -> bool:
@@ -324,13 +352,19 @@ def sweep_model(name: str, quick: bool, fractions, progress) -> List[CaseResult]
     progress(f"{name}: resident {_mib(resident)} MiB, plain {_mib(plain_peak)} (predicted "
              f"{_mib(probe['plain']['predicted'])}), memory {_mib(memory_peak)} (predicted "
              f"{_mib(probe['memory']['predicted'])}), plain step {probe['plain']['seconds']:.3f} s")
+    from experiments.hard_limit_models import SPLIT_MODELS  # pylint: disable=import-outside-toplevel
+
+    split_lowest = run_worker("split_lowest", name, quick) if name in SPLIT_MODELS else None
+    split_peak = max(split_lowest["peaks"]) if split_lowest and split_lowest.get("peaks") else None
+    if split_lowest is not None:
+        progress(f"{name}: lowest split plan {_mib(split_peak)} MiB (predicted {_mib(split_lowest.get('predicted'))})")
     results = []
     for fraction in fractions:
         budget = whole_mib_budget(resident, plain_peak, fraction)
-        case = CaseResult(name, fraction, budget, resident, plain_peak, memory_peak)
+        case = CaseResult(name, fraction, budget, resident, plain_peak, memory_peak, split_peak=split_peak)
         case.routes["probe"] = probe
         case.routes["budget"] = run_worker("budget", name, quick, budget)
-        for route in CAPPED_ROUTES:
+        for route in CAPPED_ROUTES + (SPLIT_ROUTES if split_lowest is not None else ()):
             case.routes[route] = run_worker(route, name, quick, budget, cap=budget)
         progress(f"{name} {fraction}: budget {_mib(budget)} MiB, feasible {case.feasible}; "
                  + ", ".join(f"{route} {_verdict(case.routes[route])}" for route in CAPPED_ROUTES)
@@ -341,7 +375,8 @@ def sweep_model(name: str, quick: bool, fractions, progress) -> List[CaseResult]
 
 COLUMNS = ["model", "f", "budget MiB", "feasible", "plain (cap)", "memory (cap)", "memory MiB", "budget plan MiB",
            "predicted MiB", "plan/budget", "spread %", "compute (memory)", "fit (cap)", "keras (cap)",
-           "alone (cap)", "fit peak/budget", "calibration / plain steps"]
+           "alone (cap)", "fit peak/budget", "calibration / plain steps", "split MiB", "split alone (cap)",
+           "split fit (cap)"]
 
 
 def row(case: CaseResult) -> list:
@@ -361,7 +396,10 @@ def row(case: CaseResult) -> list:
             (f"{plan['compute']:.2f} ({probe['memory']['compute']:.2f})" if peaks else "-"),
             _verdict(fit), _verdict(case.routes["keras"]), _verdict(case.routes["alone"]),
             f"{fit['peak'] / case.budget:.3f}" if not failed(fit) and fit.get("peak") else "-",
-            f"{calibration / plain_seconds:.0f}" if calibration is not None else "-"]
+            f"{calibration / plain_seconds:.0f}" if calibration is not None else "-",
+            _mib(case.split_peak) if case.split_peak is not None else "-",
+            _verdict(case.routes["split_alone"]) if "split_alone" in case.routes else "-",
+            _verdict(case.routes["split_fit"]) if "split_fit" in case.routes else "-"]
 
 
 def summary(cases: List[CaseResult]) -> List[str]:
@@ -401,6 +439,16 @@ def summary(cases: List[CaseResult]) -> List[str]:
     if spreads:
         lines.append(f"run-to-run spread of budget plans: median {statistics.median(spreads):.2f}%, "
                      f"largest {max(spreads):.2f}%")
+    split = [c for c in cases if "split_alone" in c.routes]
+    if split:
+        lines.append(f"split=\"auto\" budget plans ({', '.join(sorted({c.model for c in split}))}): "
+                     f"{sum(1 for c in split if c.split_feasible)} of {len(split)} budgets met by a plan as measured")
+        for route in SPLIT_ROUTES:
+            met_split = [c for c in split if c.split_feasible]
+            unmet = [c for c in split if not c.split_feasible]
+            lines.append(f"  {route}: 20 steps under the cap in " + share(met_split, lambda c: not failed(c.routes[route]))
+                         + " of those; refused before any step in "
+                         + share(unmet, lambda c: refused_before_running(c.routes[route])) + " others")
     ratios = [c.routes["fit"]["calibration_seconds"] / c.routes["probe"]["plain"]["seconds"] for c in cases
               if c.routes["fit"].get("calibration_seconds")]
     if ratios:

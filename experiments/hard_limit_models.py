@@ -197,6 +197,9 @@ FAMILIES: Dict[str, Callable[[bool], Case]] = {
                        "6 ConvNeXt-style blocks (grouped 7x7 Conv2D, LayerNorm, Dense gelu), 32x32x32"),
     "lstm": _family(lambda: recurrent_layer("lstm"), lambda b: _normal(b, 64, 32), 32, 8, "LSTM(128) over 64 steps"),
     "gru": _family(lambda: recurrent_layer("gru"), lambda b: _normal(b, 64, 32), 32, 8, "GRU(128) over 64 steps"),
+    "gpt": _family(lambda: models.gpt(size=128, layers=2, dim=128, heads=4, vocab=16000),
+                   lambda b: _tokens(b, 128, 16000), 8, 2,
+                   "GPT-style, 2 pre-norm blocks of width 128, 128 tokens, a Dense head over 16,000 tokens"),
     "seq2seq": _family(seq2seq, lambda b: [_normal(b, 48, 32), _normal(b, 48, 32)], 32, 8,
                        "LSTM(128) encoder-decoder, 48 steps each"),
     "text": _family(text_convolutions, lambda b: _tokens(b, 256, 5000), 32, 8,
@@ -210,6 +213,10 @@ FAMILIES: Dict[str, Callable[[bool], Case]] = {
 """Name -> builder(quick) of each model the benchmark trains."""
 
 NEEDS_KERAS_HUB = frozenset({"gpt2", "bert"})
+
+SPLIT_MODELS = frozenset({"gpt"})
+"""Models whose budgets are also tried with ``split="auto"`` plans: a wide
+vocabulary head, whose logits no checkpoint plan makes smaller."""
 
 
 def build(name: str, quick: bool = False) -> Optional[Case]:
