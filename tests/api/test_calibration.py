@@ -55,16 +55,15 @@ def test_a_plan_measured_over_the_budget_is_followed_by_a_lower_one_and_the_best
     assert c.best == 0
 
 
-def test_the_lowest_plan_measured_well_under_the_budget_is_followed_by_a_higher_one():
-    # the first target was under every plan, so the planner gave its lowest plan; it measured far
-    # under its prediction: a target made with that ratio is above the lowest plan, and may give a
-    # higher plan (an attention encoder stopped at 0.70x its budget on its lowest plan)
+def test_the_lowest_plan_measured_under_the_budget_ends_calibration():
+    # the first target was under every plan, so the planner gave its lowest plan; it fits. A climb
+    # would run a higher plan on the ratio measured for this one, which another plan need not share
+    # (a MobileNetV3Small's lowest plan measured 1.04x; the next ran out of memory under its cap)
     c = Calibrator(BUDGET)
     first = c.first_target(RESIDENT)
     lowest = CalibrationRound(first, first + 4 * MiB, int(0.6 * BUDGET), 0, RESIDENT)
     assert lowest.lowest and lowest.fits(BUDGET)
-    assert c.record(lowest) is Next.RETRACE
-    assert c.target >= lowest.predicted_peak + MIN_STEP_UP * BUDGET
+    assert c.record(lowest) is Next.DONE
     assert c.best == 0
 
 
