@@ -22,10 +22,15 @@ all processes, and the median step time.  A spread left under
 comes from the allocator's layout, which changes from step to step when
 buffers outlive a step: Keras' BatchNormalization assigns its moving
 statistics by adopting the freshly computed tensors' buffers, so every step
-leaves small chunks at new addresses::
+leaves small chunks at new addresses.  ``--diverge`` shows it: in one process
+under ``single+barrier``, the profiler records every allocation of ``--runs``
+steps, and each step's events are compared with the first step's: whether
+the same requests come in the same order, and the first request of 64 KiB or
+more handed a chunk of another size::
 
     python -m experiments.fixed_order_spread                       # about 10 minutes
     python -m experiments.fixed_order_spread --models resconv --processes 5
+    python -m experiments.fixed_order_spread --models resconv --diverge --runs 6
 """
 
 from __future__ import annotations
@@ -82,6 +87,72 @@ def _worker(name: str, setting: str, runs: int) -> dict:
     return {"peaks": peaks, "seconds": statistics.median(times)}
 
 
+def _traced_steps(step, args, runs: int) -> List[list]:
+    """Each of ``runs`` calls of ``step`` as the allocator's events, read from the profiler."""
+    import glob
+    import tempfile
+
+    import tensorflow as tf
+
+    from experiments.allocator_trace import MARK, read_profile
+
+    logdir = tempfile.mkdtemp(prefix="memsaving_fixed_order_")
+    tf.profiler.experimental.start(logdir)
+    try:
+        for k in range(runs):
+            with tf.profiler.experimental.Trace(f"{MARK}step{k}"):
+                step(*args).numpy()
+    finally:
+        tf.profiler.experimental.stop()
+    events, marks = read_profile(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True))
+    return [[e for e in events if marks[f"step{k}"][0] <= e.time_ps <= marks[f"step{k}"][1]] for k in range(runs)]
+
+
+def first_difference(base: list, other: list, large: int = 64 * 1024) -> str:
+    """Where ``other``'s allocator events first differ from ``base``'s: another
+    request (order), or a request of at least ``large`` bytes given another chunk."""
+    for i, (a, b) in enumerate(zip(base, other)):
+        if (a.allocates, a.requested, a.op) != (b.allocates, b.requested, b.op):
+            return f"order differs at event {i}: {a.op} {a.requested} B against {b.op} {b.requested} B"
+        if a.chunk != b.chunk and max(a.chunk, b.chunk) >= large:
+            return f"same order; event {i} ({a.op}, {a.requested} B) got a {b.chunk} B chunk, not {a.chunk} B"
+    return "same order, same chunks" if len(base) == len(other) else "one step has more events"
+
+
+def diverge(name: str, runs: int) -> None:
+    """``--diverge``: the steps of one process under ``single+barrier``, event by event."""
+    import keras
+    import tensorflow as tf
+
+    import memsaving
+    from experiments.hard_limit_models import build
+
+    case = build(name)
+    model, variables = case.model, case.model.trainable_variables
+    optimizer = keras.optimizers.Adam(1e-3)
+    optimizer.build(variables)
+
+    @tf.function
+    def step(inputs, targets):
+        predictions = model(inputs, training=True)
+        loss = tf.reduce_mean(tf.square(tf.cast(predictions, tf.float32) - tf.cast(targets, tf.float32)))
+        grads = memsaving.gradients(loss, variables, checkpoints="memory", batch_size=case.batch)
+        with tf.control_dependencies(grads):
+            grads = [tf.identity(g) for g in grads]
+        optimizer.apply_gradients(zip(grads, variables))
+        return loss
+
+    args = (case.inputs, case.targets)
+    with tf.experimental.function_executor_type("SINGLE_THREADED_EXECUTOR"):
+        for _ in range(3):
+            step(*args).numpy()
+        peaks = [memsaving.measure_peak(step, *args) for _ in range(runs)]
+        steps = _traced_steps(step, args, runs)
+    print(f"{name}, single+barrier, peaks MiB: {', '.join(f'{p / MIB:.2f}' for p in peaks)}")
+    for k in range(1, runs):
+        print(f"  step {k} against step 0: {first_difference(steps[0], steps[k])}")
+
+
 def run_worker(name: str, setting: str, runs: int, timeout: int = 900) -> dict:
     """One process: ``name`` under ``setting``, ``runs`` measured runs."""
     command = [sys.executable, "-m", "experiments.fixed_order_spread", "--worker", setting, "--models", name,
@@ -112,8 +183,14 @@ def main(argv=None) -> None:
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--processes", type=int, default=3)
     parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--diverge", action="store_true",
+                        help="where the allocator's events of one process's steps first differ (single+barrier)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.diverge:
+        for name in args.models.split(","):
+            diverge(name, args.runs)
+        return
     if args.worker:
         print("RESULT " + json.dumps(_worker(args.models, args.worker, args.runs)))
         return
