@@ -67,11 +67,6 @@ def fit_in_chunks(plan_at: Callable[[int, bool], Plan], target: int, or_lowest: 
         return plan
     tried = [plan]
     resident = plan.resident_bytes
-    if plan.predicted_peak > target:
-        # nothing was predicted under the target: this is the planner's lowest plan already, and no
-        # lower target gives another (asking again costs a whole search on a large graph)
-        plan.planned_for = plan.predicted_peak
-        return _lowest_or_refusal(plan, target, or_lowest)
     lowered = target
     for attempt in range(tries):
         lowered -= max(plan.device_peak - target, int(STEP_DOWN * (target - resident)) << attempt)
@@ -89,12 +84,7 @@ def fit_in_chunks(plan_at: Callable[[int, bool], Plan], target: int, or_lowest: 
     floor.planned_for = floor.predicted_peak
     if floor.device_peak <= target:
         return floor
-    return _lowest_or_refusal(min(tried + [floor], key=lambda p: p.device_peak), target, or_lowest)
-
-
-def _lowest_or_refusal(lowest: Plan, target: int, or_lowest: bool) -> Plan:
-    """``lowest``, the plan of lowest device peak found, when the caller asked
-    for it; else the ``BudgetError`` that names the budget it needs."""
+    lowest = min(tried + [floor], key=lambda p: p.device_peak)
     if or_lowest:
         return lowest
     raise no_plan_fits("checkpoint plan", target, feasible_budget(lowest.device_peak),
