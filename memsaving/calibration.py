@@ -81,6 +81,10 @@ class CalibrationRound:
     """A run failed with an out-of-memory error (the device's limit is the budget)."""
     highest: bool = False
     """The plan recomputes nothing: no plan for more memory differs from it."""
+    asked_for: Optional[int] = None
+    """The target the calibration asked the planner for (None: ``planned_for``).
+    The planner may plan for less, so that a plan's allocator chunks fit
+    (``planned_for`` is then lower), and its plan is then still under this."""
 
     @classmethod
     def from_peaks(cls, planned_for: int, predicted_peak: int, peaks: Sequence[int],
@@ -103,9 +107,23 @@ class CalibrationRound:
 
     @property
     def lowest(self) -> bool:
-        """The planner had no plan for ``planned_for`` and gave its lowest plan,
-        which no lower target changes."""
-        return self.predicted_peak > self.planned_for
+        """The planner had no plan for the target asked for and gave its lowest
+        plan, which no lower target changes.
+
+        Judged against :attr:`asked_for`: a plan the planner made for a target
+        it lowered so that its chunks fit is predicted above that lowered
+        target but under the one asked for, and is no lowest plan (taken for
+        one, a MobileNetV3Small's calibration gave up on a budget memory mode
+        trains under).
+
+        Examples
+        --------
+        >>> CalibrationRound(800, 900, 850).lowest
+        True
+        >>> CalibrationRound(800, 900, 850, asked_for=950).lowest
+        False
+        """
+        return self.predicted_peak > (self.planned_for if self.asked_for is None else self.asked_for)
 
     @property
     def ratio(self) -> float:

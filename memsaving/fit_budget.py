@@ -368,7 +368,7 @@ def fit_to_budget(
                 snapshot = snapshot_values(concrete.variables)
             current = replace(_measured_round(step, args, kwargs, planned_target(plans, calibrator.target), predicted,
                                               resident, budget_bytes, device, snapshot),
-                              highest=recomputes_nothing(plans))
+                              highest=recomputes_nothing(plans), asked_for=calibrator.target)
             decision = calibrator.record(current)
             for plan in plans:
                 plan.measured_peak = current.measured_peak

@@ -708,7 +708,7 @@ class _Calibrator:
 
     def _judge(self, model: keras.Model, plans: List[Plan], current: CalibrationRound) -> None:
         engine, report = self.engine, self.report
-        current = replace(current, highest=recomputes_nothing(plans))
+        current = replace(current, highest=recomputes_nothing(plans), asked_for=engine.target)
         decision = engine.record(current)
         for plan in plans:
             plan.measured_peak = current.measured_peak
