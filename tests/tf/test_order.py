@@ -396,8 +396,9 @@ def test_a_convolution_kept_for_its_bias_addition_runs(parallel_executor):
 
 def budget_spread_figures(runs: int = 10) -> dict:
     """Predicted and measured peaks (MiB, the allocator's whole peak) of a
-    Keras two-tower step under a budget of 65% of its plain step's memory
-    (half of it leaves no single-level plan room for the known error)."""
+    Keras two-tower step under a budget of 80% of its plain step's memory
+    (less leaves no single-level plan room for the known error, 30%, and
+    the allocator's headroom)."""
     import keras
     keras.utils.set_random_seed(0)
     model = models.two_tower(size=256, depth=6, width=256)
@@ -413,7 +414,7 @@ def budget_spread_figures(runs: int = 10) -> dict:
 
     plain.get_concrete_function(x)
     resident = captured["plain"].resident_bytes
-    budget = resident + int(0.65 * (captured["plain"].plain_peak - resident))
+    budget = resident + int(0.8 * (captured["plain"].plain_peak - resident))
 
     @tf.function
     def step(x):
@@ -432,7 +433,8 @@ def test_a_budget_plans_peak_repeats_with_default_threads():
     over ten runs.  Measured on 2 cores (2 processes each) at half the
     plain step's memory: 7.58-7.60 MiB pinned (0.25%), 7.12-7.58 MiB
     without the order (6.5%), 8.06 predicted; at 65% (since budgets keep
-    the allocator's headroom): 8.12-8.12 MiB, 8.12 predicted."""
+    the allocator's headroom): 8.12-8.12 MiB, 8.12 predicted; at 80% (since
+    the known error is 30%): see the figures printed."""
     figures = in_a_fresh_process("test_order", "budget_spread_figures", test_settings=False)
     measured = figures["measured"]
     print(f"\ntwo towers, budget plan, default threads: predicted {figures['predicted']:.2f} MiB, measured "
