@@ -3,7 +3,7 @@ approached from below, never run over as predicted."""
 
 import pytest
 
-from memsaving.calibration import (HEADROOM, MIN_STEP_UP, SLACK, USED_ENOUGH, CalibrationRound, Calibrator, Next,
+from memsaving.calibration import (CLIMB_HEADROOM, HEADROOM, MIN_STEP_UP, SLACK, USED_ENOUGH, CalibrationRound, Calibrator, Next,
                                    room_needed)
 from memsaving.planners.known_error import KNOWN_ERROR, admissible, safe_target
 
@@ -38,8 +38,9 @@ def test_a_plan_measured_low_is_followed_by_a_higher_one_never_above_the_budget_
     low = RESIDENT + int(0.5 * (first - RESIDENT))  # measured half of its prediction
     assert c.record(_round(c, first, low)) is Next.RETRACE
     assert c.target > first
-    assert c.target == safe_target(BUDGET, RESIDENT, 1.0, HEADROOM)  # the measured 0.5 is not trusted below 1
-    assert c.target <= (BUDGET - HEADROOM * (BUDGET - RESIDENT))
+    # the measured 0.5 is not trusted below 1, and a climb leaves twice the headroom free
+    assert c.target == safe_target(BUDGET, RESIDENT, 1.0, CLIMB_HEADROOM)
+    assert c.target <= (BUDGET - CLIMB_HEADROOM * (BUDGET - RESIDENT))
 
 
 def test_a_plan_measured_over_the_budget_is_followed_by_a_lower_one_and_the_best_is_kept():

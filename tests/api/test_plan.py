@@ -144,7 +144,7 @@ def test_plan_explain_in_a_traced_function(capsys):
     assert "memsaving plan (memory)" in out and "recompute MFLOP" in out
 
 
-@pytest.mark.parametrize("fraction", [0.6, 0.85])
+@pytest.mark.parametrize("fraction", [0.72, 1.0])  # planned for 0.5 and 0.69 of the room (known error, headroom)
 def test_budget_plans_on_a_residual_net_fit_when_measured(fraction):
     """Budget plans on a residual net, measured against the prediction.
 
