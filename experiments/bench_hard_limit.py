@@ -364,10 +364,11 @@ def sweep_model(name: str, quick: bool, fractions, progress) -> List[CaseResult]
         case = CaseResult(name, fraction, budget, resident, plain_peak, memory_peak, split_peak=split_peak)
         case.routes["probe"] = probe
         case.routes["budget"] = run_worker("budget", name, quick, budget)
-        for route in CAPPED_ROUTES + (SPLIT_ROUTES if split_lowest is not None else ()):
+        capped = CAPPED_ROUTES + (SPLIT_ROUTES if split_lowest is not None else ())
+        for route in capped:
             case.routes[route] = run_worker(route, name, quick, budget, cap=budget)
         progress(f"{name} {fraction}: budget {_mib(budget)} MiB, feasible {case.feasible}; "
-                 + ", ".join(f"{route} {_verdict(case.routes[route])}" for route in CAPPED_ROUTES)
+                 + ", ".join(f"{route} {_verdict(case.routes[route])}" for route in capped)
                  + f"; budget plan {_mib(max(case.routes['budget'].get('peaks', [0])) or None)} MiB")
         results.append(case)
     return results
@@ -443,9 +444,9 @@ def summary(cases: List[CaseResult]) -> List[str]:
     if split:
         lines.append(f"split=\"auto\" budget plans ({', '.join(sorted({c.model for c in split}))}): "
                      f"{sum(1 for c in split if c.split_feasible)} of {len(split)} budgets met by a plan as measured")
+        met_split = [c for c in split if c.split_feasible]
+        unmet = [c for c in split if not c.split_feasible]
         for route in SPLIT_ROUTES:
-            met_split = [c for c in split if c.split_feasible]
-            unmet = [c for c in split if not c.split_feasible]
             lines.append(f"  {route}: 20 steps under the cap in " + share(met_split, lambda c: not failed(c.routes[route]))
                          + " of those; refused before any step in "
                          + share(unmet, lambda c: refused_before_running(c.routes[route])) + " others")

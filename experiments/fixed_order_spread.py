@@ -49,7 +49,10 @@ DEFAULT_MODELS = ("mlp", "resconv", "attention", "depthwise", "text", "grouped",
 MIB = 2 ** 20
 
 
-def _worker(name: str, setting: str, runs: int) -> dict:
+def training_step(name: str, setting: str):
+    """The memory-mode training step of model ``name`` under ``setting``
+    (with ``single+barrier``, the gradients wait for each other), its
+    arguments, and the executor context its calls run in."""
     import contextlib
 
     import memsaving  # noqa: F401  (before TensorFlow: the allocator's statistics)
@@ -63,7 +66,8 @@ def _worker(name: str, setting: str, runs: int) -> dict:
     optimizer = keras.optimizers.Adam(1e-3)
     optimizer.build(variables)
 
-    def body(inputs, targets):
+    @tf.function
+    def step(inputs, targets):
         predictions = model(inputs, training=True)
         loss = tf.reduce_mean(tf.square(tf.cast(predictions, tf.float32) - tf.cast(targets, tf.float32)))
         grads = memsaving.gradients(loss, variables, checkpoints="memory", batch_size=case.batch)
@@ -73,16 +77,22 @@ def _worker(name: str, setting: str, runs: int) -> dict:
         optimizer.apply_gradients(zip(grads, variables))
         return loss
 
-    step = tf.function(body)
     executor = (tf.experimental.function_executor_type("SINGLE_THREADED_EXECUTOR") if setting != "default"
                 else contextlib.nullcontext())
+    return step, (case.inputs, case.targets), executor
+
+
+def _worker(name: str, setting: str, runs: int) -> dict:
+    import memsaving
+
+    step, args, executor = training_step(name, setting)
     with executor:
-        step(case.inputs, case.targets)
-        peaks = [memsaving.measure_peak(step, case.inputs, case.targets) for _ in range(runs)]
+        step(*args)
+        peaks = [memsaving.measure_peak(step, *args) for _ in range(runs)]
         times = []
         for _ in range(runs):
             start = time.perf_counter()
-            step(case.inputs, case.targets).numpy()
+            step(*args).numpy()
             times.append(time.perf_counter() - start)
     return {"peaks": peaks, "seconds": statistics.median(times)}
 
@@ -121,29 +131,10 @@ def first_difference(base: list, other: list, large: int = 64 * 1024) -> str:
 
 def diverge(name: str, runs: int) -> None:
     """``--diverge``: the steps of one process under ``single+barrier``, event by event."""
-    import keras
-    import tensorflow as tf
-
     import memsaving
-    from experiments.hard_limit_models import build
 
-    case = build(name)
-    model, variables = case.model, case.model.trainable_variables
-    optimizer = keras.optimizers.Adam(1e-3)
-    optimizer.build(variables)
-
-    @tf.function
-    def step(inputs, targets):
-        predictions = model(inputs, training=True)
-        loss = tf.reduce_mean(tf.square(tf.cast(predictions, tf.float32) - tf.cast(targets, tf.float32)))
-        grads = memsaving.gradients(loss, variables, checkpoints="memory", batch_size=case.batch)
-        with tf.control_dependencies(grads):
-            grads = [tf.identity(g) for g in grads]
-        optimizer.apply_gradients(zip(grads, variables))
-        return loss
-
-    args = (case.inputs, case.targets)
-    with tf.experimental.function_executor_type("SINGLE_THREADED_EXECUTOR"):
+    step, args, executor = training_step(name, "single+barrier")
+    with executor:
         for _ in range(3):
             step(*args).numpy()
         peaks = [memsaving.measure_peak(step, *args) for _ in range(runs)]

@@ -466,15 +466,18 @@ class _Memory:
 
 def _static_bytes(tensors: Sequence[tf.Tensor]) -> Optional[int]:
     """The bytes ``tensors`` ask for, from their static shapes (None when a
-    shape or size is not known).
+    shape is not fully known or a tensor holds no array of numbers).
 
     What an op keeps for its gradient is counted as the bytes its extra
     outputs ask for, not as the chunks they held when measured: the
     allocator hands a request a free chunk of up to twice its size whole,
     so a 1 MiB output of a grouped convolution's jit-compiled function held
-    a 1.83 MiB chunk when profiled alone, and six of them made the step's
-    prediction 5 MiB high.  The step's own chunks are the allocator model's
-    (:mod:`memsaving.sim.allocator`)."""
+    a 1.83 MiB chunk when profiled alone, and six of them put the step's
+    predicted peak 5 MiB high (35.2 MiB against 30.3).  The step's own chunks
+    are the allocator model's (:mod:`memsaving.sim.allocator`).
+
+    (:func:`memsaving.tf.extract.tensor_bytes` sizes unknown dimensions by a
+    batch size instead, and :mod:`memsaving.tf.extract` imports this module.)"""
     total = 0
     for t in tensors:
         if not t.shape.is_fully_defined() or t.dtype in (tf.variant, tf.string, tf.resource):
