@@ -16,6 +16,11 @@ the budget from below:
    next plan would not be higher, or the rounds run out.  A plan measured
    over the budget (or failing with an out-of-memory error) sends the next
    plan lower, and the best plan measured under it is kept.
+4. a caller that goes on measuring its steps after calibration
+   (``memsaving.keras``) judges each by :meth:`Calibrator.steady_step`: the
+   chosen plan's peak can creep up later, as the allocator's chunks move,
+   and a step that leaves less than its room under the budget (or runs
+   out of memory) sends the next plan lower.
 
 Step memory is a step's peak above its resident bytes (the memory in use
 before it: weights, optimizer slots, inputs): that is the part a plan
@@ -272,6 +277,65 @@ class Calibrator:
         if len(self.rounds) >= self.max_rounds:
             return self._give_up(f"the measured peak stays over the budget after {self.max_rounds} round(s)")
         lower = current.predicted_peak - (current.measured_peak - budget) - int(math.ceil(SLACK * budget))
+        self.target = min(safe_target(budget, current.resident, self.ratio, HEADROOM), lower)
+        return Next.RETRACE
+
+    def steady_step(self, measured_peak: int, out_of_memory: bool = False) -> Next:
+        """Judge a training step of the chosen plan after calibration ended.
+
+        A round is measured over a few steps; under a hard limit the
+        allocator's chunks go on moving after them, and the same plan's peak
+        creeps up (keras.applications' EfficientNetB0: 83.7, 86.5, 88.6 MiB
+        over its three measured steps, 90.5 MiB by step 16, and in another
+        process out of memory at step 20 under a 98 MiB cap).  So a caller
+        that can (``memsaving.keras``) goes on measuring its steps:
+
+        * a step still under the budget less the chosen round's room:
+          :attr:`Next.DONE`, nothing changes;
+        * otherwise (or when it ran out of memory) the plan is judged again
+          as a round of its own, its creep counted as spread (the room every
+          later round must leave), the chosen round is dropped and the next
+          plan is made lower, as for a round measured over:
+          :attr:`Next.RETRACE`;
+        * when the plan is the planner's lowest: :attr:`Next.FAIL` if the
+          step ran out of memory (:attr:`reason` says why), else
+          :attr:`Next.DONE` (nothing lower exists; the step still ran).
+
+        Steady rounds do not count against ``max_rounds``: each one sends
+        the plan lower, so they end at the lowest plan.
+
+        Examples
+        --------
+        >>> c = Calibrator(budget=1000, max_rounds=2)
+        >>> c.rounds, c.best = [CalibrationRound(850, 830, 880, resident=200, asked_for=900)], 0
+        >>> c.steady_step(890)
+        <Next.DONE: 'done'>
+        >>> c.steady_step(960)
+        <Next.RETRACE: 'retrace'>
+        >>> c.target < 830, c.best, c.rounds[-1].spread
+        (True, None, 80)
+        """
+        if self.best is None:
+            raise ValueError("steady_step: no plan was chosen yet")
+        budget = self.budget
+        chosen = self.rounds[self.best]
+        if not out_of_memory and measured_peak <= budget - chosen.room(budget):
+            return Next.DONE
+        measured = budget if out_of_memory else measured_peak
+        current = replace(chosen, measured_peak=measured, out_of_memory=out_of_memory,
+                          spread=max(chosen.spread, self.widest_spread(), measured - chosen.measured_peak))
+        if current.lowest and not out_of_memory:
+            self.rounds[self.best] = replace(chosen, spread=current.spread)
+            return Next.DONE
+        self.rounds.append(current)
+        self.max_rounds += 1
+        self.best = None
+        self.ratio = max(self.ratio, current.ratio)
+        if current.lowest:
+            self.reason = "the planner's lowest plan ran out of memory after calibration"
+            return Next.FAIL
+        excess = measured - (budget - current.room(budget))
+        lower = current.predicted_peak - excess - int(math.ceil(SLACK * budget))
         self.target = min(safe_target(budget, current.resident, self.ratio, HEADROOM), lower)
         return Next.RETRACE
 

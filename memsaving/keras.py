@@ -476,19 +476,26 @@ def _fit(self: keras.Model, *args, **kwargs):
     return original(self, *args, **kwargs)
 
 
-def _surviving_out_of_memory(model: keras.Model, run: Callable[[], Any]) -> Any:
-    """``run()`` (``fit``), run again on a lower plan when a step being
-    calibrated runs out of memory, with the model's, the optimizer's and the
-    metrics' variables put back as they were when it began.
+def _surviving_out_of_memory(model: keras.Model, run: Callable[[], Any], after_calibration: bool = True) -> Any:
+    """``run()`` (``fit``), run again on a lower plan when a step runs out of
+    memory, with the model's, the optimizer's and the metrics' variables put
+    back as they were when it began.
 
     A device raises ``ResourceExhaustedError`` when a step needs more than
     it has: during calibration that is one more measurement (the plan is
-    over the budget), not the end of training.  Steps before the failed one
-    are undone with it, so ``fit`` starts again from its first step.  When
-    calibration finds that no plan may run (``BudgetError``), the steps its
-    rounds ran are undone too: the error leaves the model as ``fit`` found it."""
+    over the budget), not the end of training; after it (the allocator's
+    chunks moved since the plan was measured) the chosen plan is judged
+    again and the next one made lower
+    (:meth:`memsaving.calibration.Calibrator.steady_step`).  Steps before
+    the failed one are undone with it, so ``fit`` starts again from its
+    first step: a step stopped by the error may have updated some variables
+    already.  The values are copied to host memory when ``fit`` begins (once
+    per ``fit`` call; ``after_calibration`` False: only while calibrating,
+    for ``train_on_batch``, which would copy them at every step).  When no
+    plan may run (``BudgetError``), the steps run are undone too: the error
+    leaves the model as ``fit`` found it."""
     calibrator = model.__dict__[_SETTINGS]["calibrator"]
-    if calibrator is None or calibrator.final or calibrator.off:
+    if calibrator is None or calibrator.off or (calibrator.final and not after_calibration):
         return run()
     calibrator.snapshot = _VariableSnapshot(model)
     while True:
@@ -499,11 +506,12 @@ def _surviving_out_of_memory(model: keras.Model, run: Callable[[], Any]) -> Any:
             calibrator.snapshot.restore()
             raise
         except tf.errors.ResourceExhaustedError:
-            if calibrator.final or calibrator.off:
+            if calibrator.off:
                 raise
+            when = "after" if calibrator.final else "during"
             calibrator.snapshot.restore()
             calibrator.out_of_memory(model)  # raises when nothing lower may run
-            _say(f"memsaving: {model.name}: a step ran out of memory during calibration; the variables are back "
+            _say(f"memsaving: {model.name}: a step ran out of memory {when} calibration; the variables are back "
                  "as fit began, and fit runs again on a lower plan", model.__dict__[_SETTINGS])
 
 
@@ -599,7 +607,7 @@ def _train_on_batch(self: keras.Model, x, *args, **kwargs):
             calibrator.end_step(self)
         return result
 
-    return _surviving_out_of_memory(self, one_step)
+    return _surviving_out_of_memory(self, one_step, after_calibration=False)
 
 
 class _Calibrator:
@@ -615,8 +623,11 @@ class _Calibrator:
     (:meth:`begin_step` resets the allocator's peak, :meth:`end_step` reads
     it); the round then decides: climb to a higher plan, go lower, keep the
     best plan measured, or raise.  A new plan means a new train function,
-    traced at the next step.  A step that runs out of memory ends ``fit``
-    with ``ResourceExhaustedError``; ``_fit`` then restores the variables as
+    traced at the next step.  After calibration every step is still
+    measured: one whose peak crept into the room the budget keeps free
+    sends the next trace lower (:meth:`_steady`).  A step that runs out of
+    memory, during calibration or after it, ends ``fit`` with
+    ``ResourceExhaustedError``; ``_fit`` then restores the variables as
     they were when ``fit`` began, and runs ``fit`` again on a lower plan
     (:meth:`out_of_memory`).
     """
@@ -628,7 +639,7 @@ class _Calibrator:
         self.device = default_device()
         self.measured_function: Any = None  # the last train function judged
         self.pending: Optional[Tuple[List[Plan], List[int]]] = None  # (plans, measured peaks) of the trace being measured
-        self.final = False  # the plan is chosen: nothing more to measure
+        self.final = False  # the plan is chosen: its steps are only watched (_steady)
         self.off = False
         self.snapshot: Optional[_VariableSnapshot] = None  # the variables as the running fit began
         self.start = time.perf_counter()
@@ -660,7 +671,7 @@ class _Calibrator:
         """Before a step: reset the allocator's peak if the step runs a train function not judged yet
         (or one traced again since)."""
         judged = model.train_function is not None and model.train_function is self.measured_function
-        if self.off or (judged and not self.plans and self.pending is None) or (self.final and not self.plans):
+        if self.off or (judged and not self.plans and self.pending is None and not self.final):
             return False
         try:
             reset_peak(self.device)
@@ -680,6 +691,9 @@ class _Calibrator:
             self.plans = []
         elif self.pending is not None:
             self.pending[1].append(measured)
+        elif self.final and self.engine.best is not None:
+            self._steady(model, measured)
+            return
         else:
             self.measured_function = model.train_function  # nothing memsaving planned was traced
             return
@@ -697,7 +711,10 @@ class _Calibrator:
                                                               peaks, resident, first_run=True))
 
     def out_of_memory(self, model: keras.Model) -> None:
-        """A step of the train function being measured ran out of memory."""
+        """A step ran out of memory: of the train function being measured, or of the chosen plan."""
+        if self.final and self.engine.best is not None and not self.plans and self.pending is None:
+            self._steady(model, self.engine.budget, out_of_memory=True)
+            return
         plans = self.pending[0] if self.pending is not None else self.plans
         self.pending, self.plans = None, []
         if not plans:
@@ -705,6 +722,28 @@ class _Calibrator:
         predicted, resident = predicted_figures(plans)
         self._judge(model, plans, CalibrationRound(planned_target(plans, self.engine.target), predicted,
                                                    self.engine.budget, 0, resident, out_of_memory=True))
+
+    def _steady(self, model: keras.Model, measured: int, out_of_memory: bool = False) -> None:
+        """A step of the chosen plan after calibration, measured at ``measured``
+        (:meth:`memsaving.calibration.Calibrator.steady_step`): a step whose
+        peak crept into the room the budget must keep free, or that ran out
+        of memory, sends the next trace lower."""
+        engine, settings = self.engine, model.__dict__[_SETTINGS]
+        decision = engine.steady_step(measured, out_of_memory)
+        if decision is Next.DONE:
+            self.report.rounds = list(engine.rounds)  # a creep under the room widens the chosen round's spread
+            return
+        self.report.rounds, self.report.chosen = list(engine.rounds), None
+        line = (f"memsaving: {model.name}: a step after calibration "
+                f"{'ran out of memory' if out_of_memory else f'measured {format_bytes(measured)}'}, within the "
+                f"{format_bytes(engine.rounds[-1].room(engine.budget))} of room the budget of "
+                f"{format_bytes(engine.budget)} keeps free")
+        if decision is Next.FAIL:
+            _say(line, settings)
+            raise calibration_error(f"memsaving.keras ({model.name})", engine.budget, engine)
+        self.final = False
+        _say(f"{line}; planning for {format_bytes(engine.target)} next", settings)
+        model.make_train_function(force=True)  # the next step traces, and plans, again
 
     def _judge(self, model: keras.Model, plans: List[Plan], current: CalibrationRound) -> None:
         engine, report = self.engine, self.report

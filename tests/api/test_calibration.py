@@ -168,3 +168,65 @@ def test_no_climb_when_the_next_plan_would_not_be_higher():
     # the plan recomputes nothing: more memory gives the same plan
     plan = c.target - int(2 * MIN_STEP_UP * BUDGET)
     assert c.record(CalibrationRound(c.target, plan, int(0.5 * BUDGET), 0, RESIDENT, highest=True)) is Next.DONE
+
+
+# After calibration: the chosen plan's later steps (Calibrator.steady_step).
+
+
+def _calibrated(max_rounds=1):
+    """A calibrator whose one round fits: the chosen plan measured at 70% of the budget."""
+    c = Calibrator(BUDGET, max_rounds=max_rounds)
+    first = c.first_target(RESIDENT)
+    assert c.record(CalibrationRound(first, first - MiB, int(0.7 * BUDGET), 0, RESIDENT, asked_for=first)) is Next.DONE
+    assert c.best == 0
+    return c
+
+
+def test_a_later_step_that_still_leaves_the_room_changes_nothing():
+    c = _calibrated()
+    room = c.rounds[0].room(BUDGET)
+    assert c.steady_step(BUDGET - room) is Next.DONE
+    assert c.best == 0 and len(c.rounds) == 1
+
+
+def test_a_later_step_that_creeps_into_the_room_sends_the_next_plan_lower():
+    """The same plan measured higher after calibration (the allocator's chunks moved): it is judged
+    again as a round, its creep is the room later rounds must leave, and the next plan is lower,
+    even though the calibration's rounds had run out (steady rounds do not count)."""
+    c = _calibrated(max_rounds=1)
+    chosen = c.rounds[0]
+    creep = BUDGET - chosen.room(BUDGET) + MiB  # under the budget, inside its room
+    assert c.steady_step(creep) is Next.RETRACE
+    assert c.best is None and len(c.rounds) == 2
+    assert c.rounds[1].spread == creep - chosen.measured_peak
+    assert not c.rounds[1].fits(BUDGET)
+    assert c.target < chosen.predicted_peak - MiB
+    # the lower plan is measured and fits: it is chosen, though max_rounds was 1
+    lower = CalibrationRound(c.target, c.target - MiB, int(0.6 * BUDGET), 0, RESIDENT, asked_for=c.target)
+    assert c.record(lower) is Next.DONE
+    assert c.best == 2
+
+
+def test_a_later_step_that_runs_out_of_memory_sends_the_next_plan_lower():
+    c = _calibrated()
+    assert c.steady_step(0, out_of_memory=True) is Next.RETRACE
+    assert c.rounds[-1].out_of_memory and c.target < c.rounds[0].predicted_peak
+
+
+def test_the_lowest_plan_after_calibration_runs_on_unless_it_runs_out_of_memory():
+    c = Calibrator(BUDGET)
+    first = c.first_target(RESIDENT)
+    lowest = CalibrationRound(first, first + MiB, int(0.8 * BUDGET), 0, RESIDENT, asked_for=first)
+    assert lowest.lowest
+    assert c.record(lowest) is Next.DONE
+    creep = BUDGET - MiB
+    # nothing lower exists: the step still ran, so training goes on; the creep is remembered
+    assert c.steady_step(creep) is Next.DONE
+    assert c.best == 0 and c.rounds[0].spread == creep - lowest.measured_peak
+    assert c.steady_step(0, out_of_memory=True) is Next.FAIL
+    assert "lowest plan ran out of memory after calibration" in c.reason
+
+
+def test_steady_step_needs_a_chosen_plan():
+    with pytest.raises(ValueError, match="no plan was chosen"):
+        Calibrator(BUDGET).steady_step(BUDGET)

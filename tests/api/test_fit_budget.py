@@ -453,6 +453,70 @@ def test_keras_calibration_raises_with_the_measured_figures():
     assert caught.value.smallest_budget > budget
 
 
+def _calibrator_of(model):
+    return model.__dict__["_memsaving_settings"]["calibrator"]
+
+
+def test_a_keras_step_that_creeps_into_the_room_after_calibration_sends_the_next_plan_lower(monkeypatch):
+    """After calibration every step is still measured: one whose peak crept to just under the budget
+    (inside the room it keeps free, where the next creep is an out-of-memory error on a device) is
+    judged again, and the next trace plans lower; training goes on.  Before, such steps went
+    unwatched until one ran out of memory (EfficientNetB0 under a 98 MiB cap, step 20)."""
+    import memsaving.keras as keras_module
+
+    budget = _keras_budget(0.8)
+    model = _keras_mlp(use_bias=False)
+    mkeras.enable(model, budget=budget, verbose=False, multilevel=True)
+    x, y = _keras_data()
+    calibrator = _calibrator_of(model)
+    real_peak = keras_module.peak_bytes
+    crept = []
+
+    def peak(device=None):
+        if calibrator.final and not calibrator.plans and not crept:  # a step of the chosen plan, not a retrace
+            crept.append(budget - MiB // 2)
+            return crept[0]
+        return real_peak(device)
+
+    monkeypatch.setattr(keras_module, "peak_bytes", peak)
+    model.fit(x, y, batch_size=KERAS_BATCH, epochs=5, shuffle=False, verbose=0)
+    rounds = mkeras.calibration_of(model).rounds
+    _show("keras fit, a step after calibration measured just under the budget", rounds, budget)
+    steady = next(i for i, r in enumerate(rounds) if r.measured_peak == crept[0])
+    assert not rounds[steady].fits(budget) and rounds[steady].measured_peak <= budget
+    assert len(rounds) > steady + 1, "the next trace was measured as a round"
+    assert rounds[steady + 1].planned_for < rounds[steady].planned_for
+    assert int(model.optimizer.iterations.numpy()) == 5 * 2  # no step lost or repeated
+
+
+def test_a_keras_step_out_of_memory_after_calibration_reruns_fit_on_a_lower_plan():
+    """A step of the chosen plan raises ResourceExhaustedError (as a device does when the allocator's
+    chunks moved since calibration): the variables are put back as fit found them, the plan is
+    judged out of memory, and fit runs again on a lower plan, to the end."""
+    budget = _keras_budget(0.8)
+    model = _keras_mlp(use_bias=False)
+    mkeras.enable(model, budget=budget, verbose=False, multilevel=True)
+    x, y = _keras_data()
+    calibrator = _calibrator_of(model)
+
+    class OutOfMemoryOnce(keras.callbacks.Callback):
+        raised = 0
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if calibrator.final and not OutOfMemoryOnce.raised:
+                OutOfMemoryOnce.raised += 1
+                raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor (scripted)")
+
+    model.fit(x, y, batch_size=KERAS_BATCH, epochs=5, shuffle=False, verbose=0, callbacks=[OutOfMemoryOnce()])
+    rounds = mkeras.calibration_of(model).rounds
+    _show("keras fit, a step after calibration out of memory", rounds, budget)
+    assert OutOfMemoryOnce.raised == 1
+    failed = next(i for i, r in enumerate(rounds) if r.out_of_memory)
+    assert rounds[failed + 1].planned_for < rounds[failed].planned_for
+    assert mkeras.calibration_of(model).fits
+    assert int(model.optimizer.iterations.numpy()) == 5 * 2  # the steps before the error were undone
+
+
 def test_keras_refuses_a_budget_below_every_plan_before_the_first_step():
     plan_budget = _keras_budget(0.0)  # the resident bytes: no plan fits
     model = _keras_mlp(use_bias=False)
