@@ -28,6 +28,18 @@ each in a Python process of its own, with TensorFlow's default threads:
   ``split_alone`` and ``split_fit`` (cap) train with ``budget=`` and
   ``split="auto"`` alone and through ``fit_to_budget``.
 
+**The allocator as a GPU's.**  A GPU's BFC allocator (TensorFlow's default,
+no memory growth) takes its whole memory as one region when it starts; the
+CPU's grows region by region (2, 4, 8... MiB, each twice the last) up to the
+cap, and no allocation spans two regions.  Under a cap, that cuts the free
+memory at region ends a GPU does not have: a Keras GPT step's 62.5 MiB
+dataset copy failed with 13.5 MiB free in the regions and 62 MiB left to
+grow (192 MiB cap, 116.5 MiB in use).  So by default (``--allocator
+one-region``) each capped worker first allocates, and frees, one tensor as
+large as the cap allows, before anything else: the allocator's pool is then
+(nearly) one region, as on a GPU.  ``--allocator growing`` keeps the CPU's
+growth (the sweeps before 2026-11-29's ninth session ran so).
+
 Every step is a training step: mean squared error against zeros, gradients,
 an Adam update.  Budgets are ``resident + f x (plain peak - resident)``
 for ``f`` in ``--fractions`` (0.3, 0.5, 0.7), rounded down to whole MiB so
@@ -41,6 +53,7 @@ step counter says how many ran).
     python -m experiments.bench_hard_limit                        # every model: about 2 hours on 2 cores
     python -m experiments.bench_hard_limit --models mlp,densenet --fractions 0.5
     python -m experiments.bench_hard_limit --quick --out /tmp/hl   # smaller models: a smoke run
+    python -m experiments.bench_hard_limit --models gpt --allocator growing   # the CPU's own region growth
 
 Results: ``experiments/results/hard_limit.md`` and ``.csv`` (``--out``).
 """
@@ -64,6 +77,10 @@ RUNS = 5
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 NAME = "hard_limit"
 CAPPED_ROUTES = ("plain", "memory_cap", "fit", "keras", "alone")
+ALLOCATORS = ("one-region", "growing")
+"""How a capped worker's CPU allocator holds its pool (see the module docstring)."""
+ALLOCATOR_ENV = "MEMSAVING_BENCH_ALLOCATOR"
+"""The environment variable that tells a worker which of :data:`ALLOCATORS` to use."""
 SPLIT_ROUTES = ("split_alone", "split_fit")
 """Capped routes of the models in ``SPLIT_MODELS``: budget plans that may split ops (``split="auto"``)."""
 
@@ -78,6 +95,8 @@ def _worker(route: str, name: str, quick: bool, budget: Optional[int]) -> dict:
     import numpy as np
     import tensorflow as tf
 
+    if os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB") and os.environ.get(ALLOCATOR_ENV, ALLOCATORS[0]) == "one-region":
+        pool_as_one_region(int(os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"]) * MIB)
     from experiments.hard_limit_models import build
 
     case = build(name, quick)
@@ -155,6 +174,29 @@ def _worker(route: str, name: str, quick: bool, budget: Optional[int]) -> dict:
         left = max(STEPS - int(optimizer.iterations.numpy()), 0)
         return _run_steps(step, args, optimizer, result, left, traced=True)
     raise ValueError(f"unknown route {route!r}")
+
+
+def pool_as_one_region(cap: int) -> int:
+    """Make the capped CPU allocator hold (nearly) all of ``cap`` bytes as
+    one region, as a GPU's allocator does, by allocating and freeing the
+    largest tensor it grants; returns that tensor's bytes.
+
+    Call it first, before the process allocates anything else: a region is
+    made only when no free chunk is large enough, and is as large as the
+    request asks (and the cap allows).  TensorFlow has its first region (2
+    MiB) by then, so the sizes are tried from ``cap`` less that down, a MiB
+    at a time: each refused size costs the allocator's retry wait (10 s)."""
+    import tensorflow as tf
+
+    for size in range(cap - 2 * MIB, cap // 2, -MIB):
+        try:
+            with tf.device("CPU:0"):
+                held = tf.zeros([size], tf.uint8)
+        except tf.errors.ResourceExhaustedError:
+            continue
+        del held
+        return size
+    raise RuntimeError(f"no tensor of half the {cap} bytes cap could be allocated")
 
 
 def _probe(body_for, args, captured, result) -> dict:
@@ -257,9 +299,13 @@ def _keras_route(case, budget: int) -> dict:
 
 
 def run_worker(route: str, name: str, quick: bool, budget: Optional[int] = None, cap: Optional[int] = None,
-               timeout: int = 900) -> dict:
-    """One route in a process of its own; ``cap`` (bytes) sets TF_CPU_BFC_MEM_LIMIT_IN_MB."""
+               timeout: int = 900, allocator: str = ALLOCATORS[0]) -> dict:
+    """One route in a process of its own; ``cap`` (bytes) sets TF_CPU_BFC_MEM_LIMIT_IN_MB, ``allocator``
+    (one of :data:`ALLOCATORS`) how the capped allocator holds its pool."""
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator={allocator!r}: choose one of {ALLOCATORS}")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env[ALLOCATOR_ENV] = allocator
     if cap is not None:
         if cap % MIB:
             raise ValueError(f"the cap must be whole MiB (TF_CPU_BFC_MEM_LIMIT_IN_MB), not {cap} bytes")
@@ -341,7 +387,7 @@ def whole_mib_budget(resident: int, plain_peak: int, fraction: float) -> int:
     return int(resident + fraction * (plain_peak - resident)) // MIB * MIB
 
 
-def sweep_model(name: str, quick: bool, fractions, progress) -> List[CaseResult]:
+def sweep_model(name: str, quick: bool, fractions, progress, allocator: str = ALLOCATORS[0]) -> List[CaseResult]:
     probe = run_worker("probe", name, quick)
     if "skipped" in probe or "crashed" in probe:
         progress(f"{name}: {probe.get('skipped') or probe.get('crashed')}")
@@ -366,7 +412,7 @@ def sweep_model(name: str, quick: bool, fractions, progress) -> List[CaseResult]
         case.routes["budget"] = run_worker("budget", name, quick, budget)
         capped = CAPPED_ROUTES + (SPLIT_ROUTES if split_lowest is not None else ())
         for route in capped:
-            case.routes[route] = run_worker(route, name, quick, budget, cap=budget)
+            case.routes[route] = run_worker(route, name, quick, budget, cap=budget, allocator=allocator)
         progress(f"{name} {fraction}: budget {_mib(budget)} MiB, feasible {case.feasible}; "
                  + ", ".join(f"{route} {_verdict(case.routes[route])}" for route in capped)
                  + f"; budget plan {_mib(max(case.routes['budget'].get('peaks', [0])) or None)} MiB")
@@ -464,6 +510,9 @@ def main(argv=None) -> None:
     parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
     parser.add_argument("--quick", action="store_true", help="smaller models: a smoke run")
     parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--allocator", choices=ALLOCATORS, default=ALLOCATORS[0],
+                        help="how a capped worker's allocator holds its pool: one region as on a GPU (default), "
+                             "or growing region by region as the CPU's does")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -484,16 +533,17 @@ def main(argv=None) -> None:
         print(f"[{time.perf_counter() - start:7.0f} s] {message}", flush=True)
 
     for name in names:
-        cases.extend(sweep_model(name, args.quick, fractions, progress))
-    write(cases, args.out)
+        cases.extend(sweep_model(name, args.quick, fractions, progress, args.allocator))
+    write(cases, args.out, args.allocator)
 
 
-def write(cases: List[CaseResult], out: str) -> None:
+def write(cases: List[CaseResult], out: str, allocator: str = ALLOCATORS[0]) -> None:
     from experiments.report import Table  # pylint: disable=import-outside-toplevel
 
     table = Table(NAME, "Budgets under a hard memory limit (TF_CPU_BFC_MEM_LIMIT_IN_MB = budget)", COLUMNS)
     for case in cases:
         table.add(*row(case))
+    table.notes.append(f"capped workers' allocator: {allocator} (--allocator)")
     table.notes.extend(summary(cases))
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"{NAME}.md"), "w", encoding="utf-8") as file:
