@@ -243,15 +243,22 @@ def _measured_route(step, args, captured, result) -> dict:
 
 
 def _run_steps(step, args, optimizer, result, steps: int, traced: bool = False) -> dict:
-    """Run ``steps`` training steps; the allocator's peak over them, or the error that stopped them."""
+    """Run ``steps`` training steps; the allocator's peak over them, or the error that stopped them.
+
+    ``first_step_seconds``: the first call's wall time (for a step not
+    ``traced`` before: its trace, plan and first run, what ``budget=``
+    alone costs before training runs at full speed)."""
     import memsaving
     import tensorflow as tf
 
     done_before = int(optimizer.iterations.numpy())
     tf.config.experimental.reset_memory_stats("CPU:0")
     try:
-        for _ in range(steps):
+        for n in range(steps):
+            start = time.perf_counter()
             step(*args).numpy()
+            if n == 0:
+                result["first_step_seconds"] = time.perf_counter() - start
     except memsaving.BudgetError as error:
         result.update(error="BudgetError", message=str(error).splitlines()[-1][:300])
     except tf.errors.ResourceExhaustedError as error:
@@ -422,8 +429,19 @@ def sweep_model(name: str, quick: bool, fractions, progress, allocator: str = AL
 
 COLUMNS = ["model", "f", "budget MiB", "feasible", "plain (cap)", "memory (cap)", "memory MiB", "budget plan MiB",
            "predicted MiB", "plan/budget", "spread %", "compute (memory)", "fit (cap)", "keras (cap)",
-           "alone (cap)", "fit peak/budget", "calibration / plain steps", "split MiB", "split alone (cap)",
+           "alone (cap)", "fit peak/budget", "calibration / plain steps", "beyond first call / plain steps",
+           "split MiB", "split alone (cap)",
            "split fit (cap)"]
+
+
+def calibration_beyond_first_call(case: CaseResult) -> Optional[float]:
+    """``fit_to_budget``'s calibration wall time less the first call of the
+    same step with ``budget=`` alone (its trace, plan and first run, which
+    calibrating does too): what calibrating costs beyond using the budget
+    unmeasured.  Seconds; None unless both ran (different processes)."""
+    calibration = case.routes.get("fit", {}).get("calibration_seconds")
+    first = case.routes.get("alone", {}).get("first_step_seconds")
+    return None if calibration is None or first is None else calibration - first
 
 
 def row(case: CaseResult) -> list:
@@ -444,6 +462,7 @@ def row(case: CaseResult) -> list:
             _verdict(fit), _verdict(case.routes["keras"]), _verdict(case.routes["alone"]),
             f"{fit['peak'] / case.budget:.3f}" if not failed(fit) and fit.get("peak") else "-",
             f"{calibration / plain_seconds:.0f}" if calibration is not None else "-",
+            f"{beyond / plain_seconds:.0f}" if (beyond := calibration_beyond_first_call(case)) is not None else "-",
             _mib(case.split_peak) if case.split_peak is not None else "-",
             _verdict(case.routes["split_alone"]) if "split_alone" in case.routes else "-",
             _verdict(case.routes["split_fit"]) if "split_fit" in case.routes else "-"]
@@ -501,6 +520,11 @@ def summary(cases: List[CaseResult]) -> List[str]:
     if ratios:
         lines.append(f"fit_to_budget calibration: median {statistics.median(ratios):.0f} plain steps "
                      f"({min(ratios):.0f}-{max(ratios):.0f})")
+    beyond = [b / c.routes["probe"]["plain"]["seconds"] for c in cases
+              if (b := calibration_beyond_first_call(c)) is not None]
+    if beyond:
+        lines.append(f"  beyond budget= alone's first call (trace, plan, first run): median "
+                     f"{statistics.median(beyond):.0f} plain steps ({min(beyond):.0f}-{max(beyond):.0f})")
     return lines
 
 
