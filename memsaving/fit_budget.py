@@ -32,10 +32,10 @@ import tensorflow as tf
 
 from memsaving.calibration import HEADROOM, CalibrationRound, Calibrator, Next
 from memsaving.planners.known_error import KNOWN_ERROR, needed_budget, safe_target
-from memsaving.errors import BudgetError, feasible_budget
+from memsaving.errors import BudgetError, PeakMemoryUnavailableError, feasible_budget
 from memsaving.planners.budget import exact_bytes, format_bytes, parse_bytes
 from memsaving.planners.planning import Plan
-from memsaving.tf.measure import bytes_in_use, measure_peak
+from memsaving.tf.measure import bytes_in_use, default_device, measure_peak, peak_bytes, reset_peak
 
 logger = logging.getLogger("memsaving")
 
@@ -253,7 +253,7 @@ def fit_to_budget(
     restore_variables: bool = False,
     verbose: bool = False,
     **kwargs: Any,
-) -> tf.types.experimental.PolymorphicFunction:
+) -> "WatchedStep":
     """Trace ``step_fn`` so that its *measured* peak memory fits ``budget``, approached from below.
 
     The budget is the memory the device has: no step runs whose plan is
@@ -305,8 +305,11 @@ def fit_to_budget(
 
     Returns
     -------
-    tf.types.experimental.PolymorphicFunction
-        The traced ``tf.function``, ready for the training loop.
+    WatchedStep
+        The traced ``tf.function``, ready for the training loop, called
+        through a :class:`WatchedStep` that goes on measuring its steps
+        against the budget (a step whose peak crept into the room the
+        budget keeps free makes the next call calibrate again, lower).
         ``.calibration`` holds a :class:`Calibration`; each plan's
         ``measured_peak`` is set.
 
@@ -345,52 +348,141 @@ def fit_to_budget(
     report = Calibration(budget=budget_bytes)
     gc.collect()
     calibrator.first_target(resident=bytes_in_use(device))
-    snapshot: Optional[List[tuple]] = None
-    kept: dict = {}  # round index -> (step, plans) of the rounds that fit
+    snapshot: List[Optional[List[tuple]]] = [None]
     try:
-        while True:
-            round_number = len(calibrator.rounds) + 1
-            step, plans = _traced(python_fn, calibrator.target, or_lowest=True)
-            concrete = step.get_concrete_function(*args, **kwargs)
-            _check_plans(plans, round_number)
-            predicted, resident = predicted_figures(plans)
-            if not calibrator.may_run(predicted, resident):
-                if calibrator.best is not None:
-                    break  # a higher plan may not run: keep the best measured
-                retarget = safe_target(budget_bytes, resident, calibrator.ratio, HEADROOM)
-                if predicted <= calibrator.target and retarget < calibrator.target:
-                    # planned for a target made with less memory in use than the step found: plan again
-                    calibrator.target = retarget
-                    continue
-                raise refusal("memsaving.fit_to_budget", budget_bytes, predicted, resident, calibrator.ratio,
-                              calibrator.rounds)
-            if snapshot is None:
-                snapshot = snapshot_values(concrete.variables)
-            current = replace(_measured_round(step, args, kwargs, planned_target(plans, calibrator.target), predicted,
-                                              resident, budget_bytes, device, snapshot),
-                              highest=recomputes_nothing(plans), asked_for=calibrator.target)
-            decision = calibrator.record(current)
-            for plan in plans:
-                plan.measured_peak = current.measured_peak
-            _say(verbose, f"memsaving.fit_to_budget: round {round_number}: "
-                          f"{calibrator.rounds[-1].describe(budget_bytes)}")
-            if calibrator.rounds[-1].fits(budget_bytes):  # with the widest spread seen
-                kept[len(calibrator.rounds) - 1] = (step, plans)
-            step = concrete = None
-            if decision is Next.RETRACE:
-                gc.collect()  # this round's step, unless kept: its constants must not count next
-                continue
-            if decision is Next.FAIL:
-                raise calibration_error("memsaving.fit_to_budget", budget_bytes, calibrator)
-            break
-        best_step, report.plans = kept[calibrator.best]
-        report.rounds, report.chosen = list(calibrator.rounds), calibrator.best
-        report.seconds = time.perf_counter() - start
-        best_step.calibration = report
-        return best_step
+        function = _calibrate(python_fn, args, kwargs, calibrator, report, device, verbose, snapshot)
     finally:
-        if restore_variables and snapshot is not None:
-            restore_values(snapshot)
+        if restore_variables and snapshot[0] is not None:
+            restore_values(snapshot[0])
+    report.seconds = time.perf_counter() - start
+    return WatchedStep(function, python_fn, calibrator, report, device, verbose)
+
+
+def _calibrate(python_fn: Callable, args: tuple, kwargs: dict, calibrator: Calibrator, report: "Calibration",
+               device: Optional[str], verbose: bool, snapshot: List[Optional[List[tuple]]]):
+    """Trace and measure rounds from ``calibrator.target`` until the rule
+    (:meth:`Calibrator.record`) keeps a plan; returns that plan's traced
+    function and records the rounds in ``report``.  ``snapshot[0]``: the
+    variables' values before the first round that ran (set here)."""
+    budget_bytes = calibrator.budget
+    kept: dict = {}  # round index -> (step, plans) of the rounds that fit
+    while True:
+        round_number = len(calibrator.rounds) + 1
+        step, plans = _traced(python_fn, calibrator.target, or_lowest=True)
+        concrete = step.get_concrete_function(*args, **kwargs)
+        _check_plans(plans, round_number)
+        predicted, resident = predicted_figures(plans)
+        if not calibrator.may_run(predicted, resident):
+            if calibrator.best is not None:
+                break  # a higher plan may not run: keep the best measured
+            retarget = safe_target(budget_bytes, resident, calibrator.ratio, HEADROOM)
+            if predicted <= calibrator.target and retarget < calibrator.target:
+                # planned for a target made with less memory in use than the step found: plan again
+                calibrator.target = retarget
+                continue
+            raise refusal("memsaving.fit_to_budget", budget_bytes, predicted, resident, calibrator.ratio,
+                          calibrator.rounds)
+        if snapshot[0] is None:
+            snapshot[0] = snapshot_values(concrete.variables)
+        current = replace(_measured_round(step, args, kwargs, planned_target(plans, calibrator.target), predicted,
+                                          resident, budget_bytes, device, snapshot[0]),
+                          highest=recomputes_nothing(plans), asked_for=calibrator.target)
+        decision = calibrator.record(current)
+        for plan in plans:
+            plan.measured_peak = current.measured_peak
+        _say(verbose, f"memsaving.fit_to_budget: round {round_number}: "
+                      f"{calibrator.rounds[-1].describe(budget_bytes)}")
+        if calibrator.rounds[-1].fits(budget_bytes):  # with the widest spread seen
+            kept[len(calibrator.rounds) - 1] = (step, plans)
+        step = concrete = None
+        if decision is Next.RETRACE:
+            gc.collect()  # this round's step, unless kept: its constants must not count next
+            continue
+        if decision is Next.FAIL:
+            raise calibration_error("memsaving.fit_to_budget", budget_bytes, calibrator)
+        break
+    best_step, report.plans = kept[calibrator.best]
+    report.rounds, report.chosen = list(calibrator.rounds), calibrator.best
+    best_step.calibration = report
+    return best_step
+
+
+class WatchedStep:
+    """What :func:`fit_to_budget` returns: its calibrated ``tf.function``,
+    called as it is, whose later steps are measured against the budget.
+
+    A round measures a few steps, and the allocator's chunks go on moving
+    after them: the chosen plan's peak can creep up (keras.applications'
+    EfficientNetB0, calibrated at an 86 MiB cap, ran out of memory at its
+    12th step with 83.3 MiB in use).  Each call resets the device's peak
+    and reads it after the step (two calls into the allocator's
+    statistics); a step whose peak leaves less than the chosen round's room
+    under the budget (:meth:`memsaving.calibration.Calibrator.steady_step`)
+    makes the next call calibrate again, from a lower plan, on its own
+    batch (rounds run real steps, as the first calibration did).  An
+    out-of-memory error after calibration is not caught: the step's updates
+    may be partly applied.
+
+    ``calibration`` is the :class:`Calibration` record; any other attribute
+    (``get_concrete_function``, ``python_function``...) is the current
+    ``tf.function``'s.
+
+    Examples
+    --------
+    >>> import memsaving, tensorflow as tf
+    >>> w = tf.Variable(tf.ones([8, 8]))
+    >>> def step(x):
+    ...     loss = tf.reduce_sum(tf.tanh(x @ w))
+    ...     (g,) = memsaving.gradients(loss, [w], budget="1GiB")
+    ...     w.assign_sub(1e-3 * g)
+    ...     return loss
+    >>> fitted = memsaving.fit_to_budget(step, tf.ones([4, 8]), budget="1GiB")
+    >>> float(fitted(tf.ones([4, 8]))) > 0, fitted.calibration.fits
+    (True, True)
+    """
+
+    def __init__(self, function: Any, python_fn: Callable, calibrator: Calibrator, report: "Calibration",
+                 device: Optional[str], verbose: bool):
+        self.function = function
+        self.calibration = report
+        self._python_fn = python_fn
+        self._calibrator = calibrator
+        self._device = device
+        self._verbose = verbose
+        self._again = False  # the next call calibrates again first
+        self._watching = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["function"], name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._again:
+            self._again = False
+            self.function = _calibrate(self._python_fn, args, kwargs, self._calibrator, self.calibration,
+                                       self._device, self._verbose, [None])
+        if not self._watching:
+            return self.function(*args, **kwargs)
+        try:
+            reset_peak(self._device or default_device())
+        except PeakMemoryUnavailableError:
+            self._watching = False
+            return self.function(*args, **kwargs)
+        result = self.function(*args, **kwargs)
+        self._watch(peak_bytes(self._device))
+        return result
+
+    def _watch(self, measured: int) -> None:
+        calibrator = self._calibrator
+        decision = calibrator.steady_step(measured)
+        self.calibration.rounds = list(calibrator.rounds)
+        if decision is Next.DONE:
+            return
+        self.calibration.chosen = None
+        _say(self._verbose, f"memsaving.fit_to_budget: a step after calibration measured {format_bytes(measured)}, "
+                            f"within the {format_bytes(calibrator.rounds[-1].room(calibrator.budget))} of room the "
+                            f"budget keeps free; the next step calibrates again from "
+                            f"{format_bytes(calibrator.target)}")
+        self._again = True
 
 
 def _measured_round(step, args, kwargs, target: int, predicted: int, resident: int, budget: int,

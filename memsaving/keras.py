@@ -642,6 +642,7 @@ class _Calibrator:
         self.final = False  # the plan is chosen: its steps are only watched (_steady)
         self.off = False
         self.snapshot: Optional[_VariableSnapshot] = None  # the variables as the running fit began
+        self.readmitted = False  # the trace being made plans a measured round's plan again
         self.start = time.perf_counter()
 
     @contextlib.contextmanager
@@ -652,12 +653,38 @@ class _Calibrator:
         with planning_target(self.engine.target, or_lowest=True):
             yield
 
+    def back_to_best(self, plan: Plan) -> bool:
+        """Whether a plan traced for the calibration's target may not run while
+        a measured round fits: the trace plans that round's plan again
+        (:meth:`planning_best`), as ``fit_to_budget`` keeps its best measured
+        step.  Before, ``fit`` raised a ``BudgetError`` here though a plan had
+        measured under the budget (a round that climbed measured inside the
+        room, and the error it showed left no lower plan that may run)."""
+        return not self.off and self.engine.best is not None and \
+            not self.engine.may_run(plan.device_peak, plan.resident_bytes)
+
+    @contextlib.contextmanager
+    def planning_best(self, model: keras.Model):
+        """Enter around the planner's call to plan the best measured round's plan
+        again; calibration ends with it (it was measured: no rule is checked)."""
+        engine = self.engine
+        best = engine.rounds[engine.best]
+        engine.target = best.asked_for if best.asked_for is not None else best.planned_for
+        self.final, self.readmitted = True, True
+        self.report.rounds, self.report.chosen = list(engine.rounds), engine.best
+        _say(f"memsaving: {model.name}: the next plan may not run under the error measured; back to the plan "
+             f"of round {engine.best + 1}", model.__dict__[_SETTINGS])
+        with planning_target(engine.target, or_lowest=True):
+            yield
+
     def admit(self, model: keras.Model, plan: Plan) -> None:
         """Note a plan made while tracing, and refuse one that may not run
         (predicted over the budget, or under it by less than the known
-        error).  The allocator's peak restarts: what planning allocated
-        (profiling ops) is not the step's."""
-        if not self.engine.may_run(plan.device_peak, plan.resident_bytes):
+        error; a measured round's plan planned again is not checked).  The
+        allocator's peak restarts: what planning allocated (profiling ops)
+        is not the step's."""
+        readmitted, self.readmitted = self.readmitted, False
+        if not readmitted and not self.engine.may_run(plan.device_peak, plan.resident_bytes):
             raise refusal(f"memsaving.keras ({model.name})", self.engine.budget, plan.device_peak,
                           plan.resident_bytes, self.engine.ratio, self.engine.rounds)
         self.plans.append(plan)
@@ -897,13 +924,21 @@ def _train_step(self: keras.Model, data):
         unknown_size, batch, source = _plan_batch(self, x, settings)
         calibrator = settings["calibrator"]
         graph = tf.compat.v1.get_default_graph()
-        with calibrator.planning() if calibrator else contextlib.nullcontext(), ops_made_in(graph) as made:
-            grads, plan = gradients_and_plan(
-                loss, weights, checkpoints=settings["checkpoints"], budget=settings["budget"],
-                batch_size=unknown_size, swap=settings["swap"] or None,
-                planning_time=settings["planning_time"], split=settings["split"],
-                multilevel=settings.get("multilevel", False),
-            )
+        def planned(planning):
+            with planning, ops_made_in(graph) as made:
+                grads, plan = gradients_and_plan(
+                    loss, weights, checkpoints=settings["checkpoints"], budget=settings["budget"],
+                    batch_size=unknown_size, swap=settings["swap"] or None,
+                    planning_time=settings["planning_time"], split=settings["split"],
+                    multilevel=settings.get("multilevel", False),
+                )
+            return grads, plan, made
+
+        grads, plan, made = planned(calibrator.planning() if calibrator else contextlib.nullcontext())
+        if calibrator and calibrator.back_to_best(plan):
+            # the plan for the calibration's target may not run, and a measured plan fits: the step
+            # plans that one again (the gradients planned first are left unused, and pruned)
+            grads, plan, made = planned(calibrator.planning_best(self))
         plan.batch_size = batch
         plan.batch_source = source
         if calibrator:

@@ -135,6 +135,36 @@ def test_fit_to_budget_starts_below_the_budget_and_fits():
     assert report.seconds > 0
 
 
+def test_fit_to_budgets_later_steps_are_watched_and_a_creep_calibrates_again_lower(monkeypatch):
+    """The step fit_to_budget returns measures each call: calls that leave the chosen round's room
+    change nothing; one whose peak crept into the room (scripted: just under the budget) makes the
+    next call calibrate again, from a plan lower than the chosen one, and training goes on."""
+    import memsaving.fit_budget as fit_budget
+
+    mlp = MLP(unseen_copies=0)
+    budget = _budget_between(mlp, 0.6)
+    step = memsaving.fit_to_budget(mlp.step(budget), mlp.x, budget=budget)
+    report = step.calibration
+    chosen = report.rounds[report.chosen]
+    for _ in range(3):
+        step(mlp.x)
+    assert step.calibration.rounds == report.rounds[:len(step.calibration.rounds)]
+    assert len(step.calibration.rounds) == len(report.rounds) and step.calibration.chosen is not None
+    real_peak = fit_budget.peak_bytes
+    monkeypatch.setattr(fit_budget, "peak_bytes", lambda device=None: budget - MiB // 4)
+    step(mlp.x)  # crept: judged again
+    monkeypatch.setattr(fit_budget, "peak_bytes", real_peak)
+    rounds = list(step.calibration.rounds)
+    assert rounds[-1].measured_peak == budget - MiB // 4 and not rounds[-1].fits(budget)
+    assert step.calibration.chosen is None
+    step(mlp.x)  # calibrates again on this call's batch, then runs it
+    _show("fit_to_budget, a later step crept into the room", step.calibration.rounds, budget)
+    after = step.calibration.rounds[len(rounds):]
+    assert after and after[0].planned_for < chosen.planned_for
+    assert step.calibration.fits and step.calibration.chosen >= len(rounds)
+    assert step.get_concrete_function(mlp.x) is not None  # other attributes are the tf.function's
+
+
 def test_a_low_first_round_climbs_to_a_higher_plan(monkeypatch):
     mlp = MLP()
     budget = _budget_between(mlp, 0.7)
@@ -415,6 +445,34 @@ def test_a_keras_budget_error_after_rounds_leaves_the_model_as_fit_found_it(monk
         np.testing.assert_array_equal(w.numpy(), value)
 
 
+def test_keras_goes_back_to_a_measured_plan_when_no_lower_plan_may_run(monkeypatch, capsys):
+    """Round 1 measures well under the budget and the calibration climbs; round 2 measures twice the
+    budget, so the error measured leaves no lower plan that may run.  A plan measured under the
+    budget exists (round 1's): the next trace plans it again and training goes on, as
+    fit_to_budget keeps its best measured step (before, fit raised a BudgetError here)."""
+    import memsaving.keras as keras_module
+
+    budget = _keras_budget(0.8)
+    model = _keras_mlp(use_bias=False)
+    mkeras.enable(model, budget=budget, verbose=True, multilevel=True)
+    x, y = _keras_data()
+    calls = []
+
+    def peak(device=None):
+        calls.append(None)
+        return 2 * budget if len(calls) == MEASURED_STEPS + 1 else int(0.7 * budget)
+
+    monkeypatch.setattr(keras_module, "peak_bytes", peak)
+    model.fit(x, y, batch_size=KERAS_BATCH, epochs=5, shuffle=False, verbose=0)
+    printed = capsys.readouterr().out
+    report = mkeras.calibration_of(model)
+    _show("keras fit, round 2 at twice the budget", report.rounds, budget)
+    assert len(report.rounds) == 2 and report.rounds[0].fits(budget) and not report.rounds[1].fits(budget)
+    assert report.chosen == 0 and report.fits
+    assert "back to the plan of round 1" in printed
+    assert int(model.optimizer.iterations.numpy()) == 5 * 2
+
+
 def test_keras_goes_lower_when_a_round_measures_over_the_budget():
     """Memory the first plan did not see (a tensor of half the budget held during the second
     step) puts its round over the budget: the next trace plans lower, or, when the error measured
@@ -479,14 +537,15 @@ def test_a_keras_step_that_creeps_into_the_room_after_calibration_sends_the_next
         return real_peak(device)
 
     monkeypatch.setattr(keras_module, "peak_bytes", peak)
-    model.fit(x, y, batch_size=KERAS_BATCH, epochs=5, shuffle=False, verbose=0)
+    # enough steps for two climbing rounds, a return to the first plan, the creep and a lower round
+    model.fit(x, y, batch_size=KERAS_BATCH, epochs=10, shuffle=False, verbose=0)
     rounds = mkeras.calibration_of(model).rounds
     _show("keras fit, a step after calibration measured just under the budget", rounds, budget)
     steady = next(i for i, r in enumerate(rounds) if r.measured_peak == crept[0])
     assert not rounds[steady].fits(budget) and rounds[steady].measured_peak <= budget
     assert len(rounds) > steady + 1, "the next trace was measured as a round"
     assert rounds[steady + 1].planned_for < rounds[steady].planned_for
-    assert int(model.optimizer.iterations.numpy()) == 5 * 2  # no step lost or repeated
+    assert int(model.optimizer.iterations.numpy()) == 10 * 2  # no step lost or repeated
 
 
 def test_a_keras_step_out_of_memory_after_calibration_reruns_fit_on_a_lower_plan():
