@@ -761,10 +761,11 @@ class _Calibrator:
             self.report.rounds = list(engine.rounds)  # a creep under the room widens the chosen round's spread
             return
         self.report.rounds, self.report.chosen = list(engine.rounds), None
+        room = format_bytes(engine.rounds[-1].room(engine.budget))
         line = (f"memsaving: {model.name}: a step after calibration "
-                f"{'ran out of memory' if out_of_memory else f'measured {format_bytes(measured)}'}, within the "
-                f"{format_bytes(engine.rounds[-1].room(engine.budget))} of room the budget of "
-                f"{format_bytes(engine.budget)} keeps free")
+                + ("ran out of memory" if out_of_memory else
+                   f"measured {format_bytes(measured)}, within the {room} of room the budget of "
+                   f"{format_bytes(engine.budget)} keeps free"))
         if decision is Next.FAIL:
             _say(line, settings)
             raise calibration_error(f"memsaving.keras ({model.name})", engine.budget, engine)
