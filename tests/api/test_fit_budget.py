@@ -705,6 +705,8 @@ def test_bad_input_errors():
 
 def test_a_tf_function_step_is_traced_again_each_round():
     mlp = MLP()
-    budget = 64 * MiB  # fits at once
+    budget = 64 * MiB  # fits in a round or two: the first measures within a few KiB of 90% of it
     step = memsaving.fit_to_budget(tf.function(mlp.step(budget)), mlp.x, budget=budget)
-    assert len(step.calibration.rounds) == 1 and step.calibration.plans
+    # a round after the first plans only if the tf.function was unwrapped (else a ValueError says so)
+    assert step.calibration.fits and step.calibration.plans
+    assert all(plan.budget == budget for plan in step.calibration.plans)
