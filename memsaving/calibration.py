@@ -100,6 +100,10 @@ class CalibrationRound:
     """The target the calibration asked the planner for (None: ``planned_for``).
     The planner may plan for less, so that a plan's allocator chunks fit
     (``planned_for`` is then lower), and its plan is then still under this."""
+    steady: bool = False
+    """Measured from a training step after calibration ended
+    (:meth:`Calibrator.steady_step`), not from a round the calibration ran:
+    it does not count against :attr:`Calibrator.max_rounds`."""
 
     @classmethod
     def from_peaks(cls, planned_for: int, predicted_peak: int, peaks: Sequence[int],
@@ -232,6 +236,10 @@ class Calibrator:
         budget by more than the error known so far."""
         return admissible(predicted, resident, self.budget, self.ratio, HEADROOM)
 
+    def calibration_rounds(self) -> int:
+        """How many rounds the calibration ran (steady rounds not counted)."""
+        return sum(1 for r in self.rounds if not r.steady)
+
     def widest_spread(self) -> int:
         """The widest run-to-run spread of the rounds so far (bytes)."""
         return max((r.spread for r in self.rounds), default=0)
@@ -256,7 +264,7 @@ class Calibrator:
             # never below 1 when climbing: a plan predicted over the budget could meet the
             # device's limit itself were its own ratio higher than this one's
             self.ratio = max(ratio, 1.0)
-            if current.measured_peak >= USED_ENOUGH * budget or len(self.rounds) >= self.max_rounds:
+            if current.measured_peak >= USED_ENOUGH * budget or self.calibration_rounds() >= self.max_rounds:
                 return Next.DONE
             target = safe_target(budget, current.resident, self.ratio, CLIMB_HEADROOM)
             # a plan whose step memory an earlier round had: the planner gave it again for more memory
@@ -274,7 +282,7 @@ class Calibrator:
         self.ratio = max(self.ratio, ratio)
         if current.lowest:
             return self._give_up("the planner's lowest plan measures over the budget")
-        if len(self.rounds) >= self.max_rounds:
+        if self.calibration_rounds() >= self.max_rounds:
             return self._give_up(f"the measured peak stays over the budget after {self.max_rounds} round(s)")
         lower = current.predicted_peak - (current.measured_peak - budget) - int(math.ceil(SLACK * budget))
         self.target = min(safe_target(budget, current.resident, self.ratio, HEADROOM), lower)
@@ -301,8 +309,9 @@ class Calibrator:
           step ran out of memory (:attr:`reason` says why), else
           :attr:`Next.DONE` (nothing lower exists; the step still ran).
 
-        Steady rounds do not count against ``max_rounds``: each one sends
-        the plan lower, so they end at the lowest plan.
+        Steady rounds (marked :attr:`CalibrationRound.steady`) do not count
+        against ``max_rounds``: each one sends the plan lower, so they end at
+        the lowest plan.
 
         Examples
         --------
@@ -322,13 +331,12 @@ class Calibrator:
         if not out_of_memory and measured_peak <= budget - chosen.room(budget):
             return Next.DONE
         measured = budget if out_of_memory else measured_peak
-        current = replace(chosen, measured_peak=measured, out_of_memory=out_of_memory,
+        current = replace(chosen, measured_peak=measured, out_of_memory=out_of_memory, steady=True,
                           spread=max(chosen.spread, self.widest_spread(), measured - chosen.measured_peak))
         if current.lowest and not out_of_memory:
             self.rounds[self.best] = replace(chosen, spread=current.spread)
             return Next.DONE
         self.rounds.append(current)
-        self.max_rounds += 1
         self.best = None
         self.ratio = max(self.ratio, current.ratio)
         if current.lowest:
@@ -338,6 +346,23 @@ class Calibrator:
         lower = current.predicted_peak - excess - int(math.ceil(SLACK * budget))
         self.target = min(safe_target(budget, current.resident, self.ratio, HEADROOM), lower)
         return Next.RETRACE
+
+    def describe_steady(self, measured_peak: int, out_of_memory: bool = False) -> str:
+        """What a step after calibration that :meth:`steady_step` did not
+        pass measured, in words (after it recorded the step's round).
+
+        Examples
+        --------
+        >>> c = Calibrator(budget=1000 * 2 ** 20)
+        >>> c.rounds = [CalibrationRound(850, 830, 880, resident=200 * 2 ** 20)]
+        >>> c.describe_steady(960 * 2 ** 20)
+        'a step after calibration measured 960.0 MiB, within the 80.0 MiB of room the budget of 1000.0 MiB keeps free'
+        """
+        if out_of_memory:
+            return "a step after calibration ran out of memory"
+        room = self.rounds[-1].room(self.budget)
+        return (f"a step after calibration measured {_mib(measured_peak)}, within the {_mib(room)} of room "
+                f"the budget of {_mib(self.budget)} keeps free")
 
     def _give_up(self, reason: str) -> Next:
         if self.best is not None:

@@ -158,7 +158,9 @@ class Calibration:
     budget : int
         the budget in bytes the measured peak must stay under.
     rounds : list of CalibrationRound
-        every measured round, first to last.
+        every measured round, first to last: the calibrator's own list, so
+        rounds measured after calibration (a step that crept, and the
+        calibration it started) appear here as they are measured.
     chosen : int or None
         index in ``rounds`` of the round whose plan runs.
     plans : list of Plan
@@ -345,7 +347,7 @@ def fit_to_budget(
     budget_bytes = _check_arguments(step_fn, budget, max_rounds)
     python_fn = getattr(step_fn, "python_function", step_fn)  # a tf.function would not retrace
     calibrator = Calibrator(budget=budget_bytes, max_rounds=max_rounds)
-    report = Calibration(budget=budget_bytes)
+    report = Calibration(budget=budget_bytes, rounds=calibrator.rounds)
     gc.collect()
     calibrator.first_target(resident=bytes_in_use(device))
     snapshot: List[Optional[List[tuple]]] = [None]
@@ -402,8 +404,7 @@ def _calibrate(python_fn: Callable, args: tuple, kwargs: dict, calibrator: Calib
             raise calibration_error("memsaving.fit_to_budget", budget_bytes, calibrator)
         break
     best_step, report.plans = kept[calibrator.best]
-    report.rounds, report.chosen = list(calibrator.rounds), calibrator.best
-    best_step.calibration = report
+    report.chosen = calibrator.best
     return best_step
 
 
@@ -474,14 +475,11 @@ class WatchedStep:
     def _watch(self, measured: int) -> None:
         calibrator = self._calibrator
         decision = calibrator.steady_step(measured)
-        self.calibration.rounds = list(calibrator.rounds)
         if decision is Next.DONE:
             return
         self.calibration.chosen = None
-        _say(self._verbose, f"memsaving.fit_to_budget: a step after calibration measured {format_bytes(measured)}, "
-                            f"within the {format_bytes(calibrator.rounds[-1].room(calibrator.budget))} of room the "
-                            f"budget keeps free; the next step calibrates again from "
-                            f"{format_bytes(calibrator.target)}")
+        _say(self._verbose, f"memsaving.fit_to_budget: {calibrator.describe_steady(measured)}; the next step "
+                            f"calibrates again from {format_bytes(calibrator.target)}")
         self._again = True
 
 

@@ -634,7 +634,7 @@ class _Calibrator:
 
     def __init__(self, budget: int, max_rounds: int):
         self.engine = Calibrator(budget=budget, max_rounds=max_rounds)
-        self.report = Calibration(budget=budget)
+        self.report = Calibration(budget=budget, rounds=self.engine.rounds)
         self.plans: List[Plan] = []  # plans traced since the last measured step
         self.device = default_device()
         self.measured_function: Any = None  # the last train function judged
@@ -671,7 +671,7 @@ class _Calibrator:
         best = engine.rounds[engine.best]
         engine.target = best.asked_for if best.asked_for is not None else best.planned_for
         self.final, self.readmitted = True, True
-        self.report.rounds, self.report.chosen = list(engine.rounds), engine.best
+        self.report.chosen = engine.best
         _say(f"memsaving: {model.name}: the next plan may not run under the error measured; back to the plan "
              f"of round {engine.best + 1}", model.__dict__[_SETTINGS])
         with planning_target(engine.target, or_lowest=True):
@@ -758,14 +758,9 @@ class _Calibrator:
         engine, settings = self.engine, model.__dict__[_SETTINGS]
         decision = engine.steady_step(measured, out_of_memory)
         if decision is Next.DONE:
-            self.report.rounds = list(engine.rounds)  # a creep under the room widens the chosen round's spread
             return
-        self.report.rounds, self.report.chosen = list(engine.rounds), None
-        room = format_bytes(engine.rounds[-1].room(engine.budget))
-        line = (f"memsaving: {model.name}: a step after calibration "
-                + ("ran out of memory" if out_of_memory else
-                   f"measured {format_bytes(measured)}, within the {room} of room the budget of "
-                   f"{format_bytes(engine.budget)} keeps free"))
+        self.report.chosen = None
+        line = f"memsaving: {model.name}: {engine.describe_steady(measured, out_of_memory)}"
         if decision is Next.FAIL:
             _say(line, settings)
             raise calibration_error(f"memsaving.keras ({model.name})", engine.budget, engine)
@@ -779,7 +774,6 @@ class _Calibrator:
         decision = engine.record(current)
         for plan in plans:
             plan.measured_peak = current.measured_peak
-        report.rounds = list(engine.rounds)
         settings = model.__dict__[_SETTINGS]
         line = (f"memsaving: {model.name}: calibration round {len(engine.rounds)}: "
                 f"{engine.rounds[-1].describe(engine.budget)}")

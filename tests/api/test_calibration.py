@@ -198,6 +198,7 @@ def test_a_later_step_that_creeps_into_the_room_sends_the_next_plan_lower():
     creep = BUDGET - chosen.room(BUDGET) + MiB  # under the budget, inside its room
     assert c.steady_step(creep) is Next.RETRACE
     assert c.best is None and len(c.rounds) == 2
+    assert c.rounds[1].steady and c.calibration_rounds() == 1 and c.max_rounds == 1
     assert c.rounds[1].spread == creep - chosen.measured_peak
     assert not c.rounds[1].fits(BUDGET)
     assert c.target < chosen.predicted_peak - MiB
