@@ -33,11 +33,12 @@ except ImportError:  # Windows has none: writers take turns by creating a marker
 
 logger = logging.getLogger("memsaving")
 
-FORMAT = 4
+FORMAT = 5
 """Version of the measurement procedure and of the cache file (3: function
 calls' gradients are measured through their own gradient functions; 4: what
 an op keeps for its gradient counts the bytes its extra outputs ask for, not
-the chunks they happened to hold).
+the chunks they happened to hold; 5: an op given extra outputs for its
+gradient records which of its inputs and outputs the gradient still reads).
 Entries of an older version are ignored and the file replaced; a newer
 version's file is left alone (this process then keeps its profiles in
 memory)."""
@@ -105,6 +106,14 @@ class OpProfile:
     ok : bool
         False when the op could not run alone; kept so that it is not
         tried again.
+    grad_reads : tuple of two tuples of int, or None
+        positions of the op's inputs and of its outputs that its gradient
+        reads, recorded when building the gradient gave the op extra
+        outputs (a function call: the intermediates its gradient needs,
+        ``saved_bytes``); None otherwise, and the graph model's rules say
+        what the gradient reads.  A call compiled with XLA hands its
+        gradient new buffers, not its arguments: a grouped convolution's
+        gradient reads neither its input nor its output.
     """
 
     temp_bytes: int = 0
@@ -114,10 +123,12 @@ class OpProfile:
     seconds: Optional[float] = None
     grad_seconds: Optional[float] = None
     ok: bool = True
+    grad_reads: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None
 
     def to_json(self) -> dict:
         data = asdict(self)
         data["output_bytes"] = list(self.output_bytes)
+        data["grad_reads"] = None if self.grad_reads is None else [list(p) for p in self.grad_reads]
         return data
 
     @classmethod
@@ -149,7 +160,18 @@ class OpProfile:
                    _byte_count(data.get("saved_bytes", 0), "saved_bytes"),
                    tuple(_byte_count(b, "output_bytes") for b in outputs),
                    _optional_seconds(data.get("seconds"), "seconds"),
-                   _optional_seconds(data.get("grad_seconds"), "grad_seconds"), ok)
+                   _optional_seconds(data.get("grad_seconds"), "grad_seconds"), ok,
+                   _grad_reads(data.get("grad_reads")))
+
+
+def _grad_reads(value: object) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    """An entry's ``grad_reads``: None, or two lists of positions."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 2 or not all(isinstance(p, list) for p in value) or \
+            not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for p in value for k in p):
+        raise ValueError(f"grad_reads is {value!r}, not two lists of positions")
+    return tuple(value[0]), tuple(value[1])
 
 
 def _figure(value: object, name: str) -> float:

@@ -604,20 +604,21 @@ class _Measurement:
         peak, held = self.memory.run(forward, *fed, runs=self.runs)
         temp = max(peak - sum(held), 0)
         seconds = self._seconds(forward, fed, peak)
-        grad_temp, saved, grad_seconds = self._gradient(build, fed, specs, held, seconds)
-        return OpProfile(temp, grad_temp, saved, tuple(held), seconds, grad_seconds)
+        grad_temp, saved, grad_seconds, grad_reads = self._gradient(build, fed, specs, held, seconds)
+        return OpProfile(temp, grad_temp, saved, tuple(held), seconds, grad_seconds, grad_reads=grad_reads)
 
     def _seconds(self, fn: Callable, args: Sequence, traffic: int) -> float:
         runs = TIMING_RUNS + (4 if traffic < SMALL else 0)
         return max(_median_seconds(fn, args, runs) - self.overhead, 0.0)
 
     def _gradient(self, build: Callable, fed: List[tf.Tensor], specs: List[Tuple[tf.DType, tuple]],
-                  held: List[int], forward_seconds: Optional[float]) -> Tuple[int, int, Optional[float]]:
-        """(gradient temporary, saved bytes, gradient seconds); zeros and None
-        when the op has no gradient."""
+                  held: List[int], forward_seconds: Optional[float]) -> tuple:
+        """(gradient temporary, saved bytes, gradient seconds, what the
+        gradient reads: :attr:`OpProfile.grad_reads`); zeros and None when
+        the op has no gradient."""
         outputs = [i for i, (dtype, _) in enumerate(specs) if _is_float(dtype)]
         if not outputs:
-            return 0, 0, None
+            return 0, 0, None, None
         n = self.recipe.num_outputs
         facts: Dict[str, object] = {}
 
@@ -633,6 +634,9 @@ class _Measurement:
             facts["extra"] = len(op.outputs) - n
             facts["extra_bytes"] = _static_bytes(op.outputs[n:])
             facts["reads"] = [i for i in range(n) if op.outputs[i].consumers()]
+            gradient_ops = set(made)
+            facts["input_reads"] = [k for k, t in enumerate(op.inputs)
+                                    if any(c in gradient_ops for c in t.consumers())]
             facts["stateful"] = op._is_stateful  # pylint: disable=protected-access
             return op, [part for g in results if g is not None for part in _parts(g)]
 
@@ -645,7 +649,7 @@ class _Measurement:
             backward(fed, upstream)
         except (LookupError, ValueError, TypeError, NotImplementedError, tf.errors.OpError) as err:
             logger.debug("memsaving profiles: no gradient for %s: %s", self.target.op, err)
-            return 0, 0, None
+            return 0, 0, None, None
         peak, held_results = self.memory.run(backward, fed, upstream, runs=self.runs)
         saved = facts["extra_bytes"] or 0
         if facts["extra"] and facts["extra_bytes"] is None:  # some extra output has no static size: measure them
@@ -662,7 +666,8 @@ class _Measurement:
         ran_forward = bool(facts["reads"]) or bool(facts["stateful"]) or bool(facts["extra"])
         if ran_forward and forward_seconds is not None:
             seconds = max(seconds - forward_seconds, 0.0)
-        return grad_temp, saved, seconds
+        grad_reads = (tuple(facts["input_reads"]), tuple(facts["reads"])) if facts["extra"] else None
+        return grad_temp, saved, seconds, grad_reads
 
 
 def _register_functions(library) -> None:
