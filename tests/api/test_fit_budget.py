@@ -179,8 +179,11 @@ def test_a_low_first_round_climbs_to_a_higher_plan(monkeypatch):
 
 
 def test_a_round_over_the_budget_is_followed_by_a_lower_plan_and_the_best_fitting_is_returned(monkeypatch):
+    """A budget with room above the planner's lowest plan: at 0.7 of the way to the plain peak, the
+    plan the ratio measured over the budget asks for was the lowest, sometimes predicted just over
+    its target, and may not run (the best round was then kept without a third: 1 run in 5)."""
     mlp = MLP()
-    budget = _budget_between(mlp, 0.7)
+    budget = _budget_between(mlp, 0.9)
     _scripted_peaks(monkeypatch, [0.6, 1.05, 0.7], budget)
     step = memsaving.fit_to_budget(mlp.step(budget), mlp.x, budget=budget, max_rounds=3)
     rounds = step.calibration.rounds
