@@ -3,8 +3,8 @@ approached from below, never run over as predicted."""
 
 import pytest
 
-from memsaving.calibration import (CLIMB_HEADROOM, HEADROOM, MIN_STEP_UP, SLACK, USED_ENOUGH, CalibrationRound, Calibrator, Next,
-                                   room_needed)
+from memsaving.calibration import (CLIMB_HEADROOM, HEADROOM, MAX_CLIMBS, MIN_STEP_UP, SLACK, USED_ENOUGH,
+                                   CalibrationRound, Calibrator, Next, room_needed)
 from memsaving.planners.known_error import KNOWN_ERROR, admissible, safe_target
 
 MiB = 2 ** 20
@@ -41,6 +41,19 @@ def test_a_plan_measured_low_is_followed_by_a_higher_one_never_above_the_budget_
     # the measured 0.5 is not trusted below 1, and a climb leaves twice the headroom free
     assert c.target == safe_target(BUDGET, RESIDENT, 1.0, CLIMB_HEADROOM)
     assert c.target <= (BUDGET - CLIMB_HEADROOM * (BUDGET - RESIDENT))
+
+
+def test_one_climb_then_the_plan_is_kept():
+    """After the climb the first round's ratio asked for, a round that fits ends calibration even
+    when its ratio would allow a little more: a second climb costs a full round for a few
+    percent of the budget."""
+    c = Calibrator(BUDGET)
+    first = c.first_target(RESIDENT)
+    assert c.record(_round(c, first, RESIDENT + int(0.5 * (first - RESIDENT)))) is Next.RETRACE
+    climbed = c.target
+    # measured at 0.9x its prediction: a higher target would be allowed, but the climb is spent
+    assert c.record(_round(c, climbed, RESIDENT + int(0.9 * (climbed - RESIDENT)))) is Next.DONE
+    assert c.best == 1 and c.climbs == MAX_CLIMBS
 
 
 def test_a_plan_measured_over_the_budget_is_followed_by_a_lower_one_and_the_best_is_kept():
