@@ -40,6 +40,15 @@ large as the cap allows, before anything else: the allocator's pool is then
 (nearly) one region, as on a GPU.  ``--allocator growing`` keeps the CPU's
 growth (the sweeps before 2026-11-29's ninth session ran so).
 
+**Out-of-memory errors that raise.**  On the CPU, oneDNN's kernels end the
+process (a segmentation fault: "CRASH" below) when an allocation fails
+under the cap, where a GPU raises ``ResourceExhaustedError``.  With
+``--onednn off`` (``TF_ENABLE_ONEDNN_OPTS=0`` in every worker) TensorFlow's
+own kernels run and raise as a GPU does; calibrations may then *probe* a
+budget the 30% prior refuses (``Calibrator.may_probe``: nothing measured
+yet, the lowest plan predicted under the budget less the headroom): the
+``fit`` and ``keras`` columns add "(probe)" where they did.
+
 Every step is a training step: mean squared error against zeros, gradients,
 an Adam update.  Budgets are ``resident + f x (plain peak - resident)``
 for ``f`` in ``--fractions`` (0.3, 0.5, 0.7), rounded down to whole MiB so
@@ -54,6 +63,7 @@ step counter says how many ran).
     python -m experiments.bench_hard_limit --models mlp,densenet --fractions 0.5
     python -m experiments.bench_hard_limit --quick --out /tmp/hl   # smaller models: a smoke run
     python -m experiments.bench_hard_limit --models gpt --allocator growing   # the CPU's own region growth
+    python -m experiments.bench_hard_limit --models resconv --onednn off      # out-of-memory errors raise: probes
 
 Results: ``experiments/results/hard_limit.md`` and ``.csv`` (``--out``).
 """
@@ -162,7 +172,8 @@ def _worker(route: str, name: str, quick: bool, budget: Optional[int]) -> dict:
                                            budget=budget)
         except memsaving.BudgetError as error:
             result.update(error="BudgetError", message=str(error).splitlines()[0][:300],
-                          steps_before_error=int(optimizer.iterations.numpy()))
+                          steps_before_error=int(optimizer.iterations.numpy()),
+                          probed=_probed(getattr(error, "calibration", None)))
             return result
         except tf.errors.ResourceExhaustedError as error:
             result.update(error="ResourceExhaustedError", message=str(error).splitlines()[0][:300],
@@ -171,6 +182,7 @@ def _worker(route: str, name: str, quick: bool, budget: Optional[int]) -> dict:
         result["calibration_seconds"] = time.perf_counter() - start
         calibration = getattr(step, "calibration", None)
         result["rounds"] = len(calibration.rounds) if calibration is not None else None
+        result["probed"] = _probed(calibration)
         left = max(STEPS - int(optimizer.iterations.numpy()), 0)
         return _run_steps(step, args, optimizer, result, left, traced=True)
     raise ValueError(f"unknown route {route!r}")
@@ -299,7 +311,13 @@ def _keras_route(case, budget: int) -> dict:
     result["completed"] = "error" not in result and result["steps"] >= STEPS
     calibration = memsaving.keras.calibration_of(model)
     result["rounds"] = len(calibration.rounds) if calibration is not None else None
+    result["probed"] = _probed(calibration)
     return result
+
+
+def _probed(calibration) -> bool:
+    """Whether a calibration's first round was a probe (``CalibrationRound.probe``)."""
+    return bool(calibration is not None and calibration.rounds and calibration.rounds[0].probe)
 
 
 # ------------------------------------------------------------------------------------- in the parent
@@ -444,6 +462,10 @@ def calibration_beyond_first_call(case: CaseResult) -> Optional[float]:
     return None if calibration is None or first is None else calibration - first
 
 
+def _probe_mark(outcome: dict) -> str:
+    return " (probe)" if outcome.get("probed") else ""
+
+
 def row(case: CaseResult) -> list:
     plan = case.routes["budget"]
     peaks = plan.get("peaks")
@@ -459,7 +481,8 @@ def row(case: CaseResult) -> list:
             _mib(plan.get("predicted")), f"{max(peaks) / case.budget:.3f}" if peaks else "-",
             f"{spread:.1f}" if spread is not None else "-",
             (f"{plan['compute']:.2f} ({probe['memory']['compute']:.2f})" if peaks else "-"),
-            _verdict(fit), _verdict(case.routes["keras"]), _verdict(case.routes["alone"]),
+            _verdict(fit) + _probe_mark(fit), _verdict(case.routes["keras"]) + _probe_mark(case.routes["keras"]),
+            _verdict(case.routes["alone"]),
             f"{fit['peak'] / case.budget:.3f}" if not failed(fit) and fit.get("peak") else "-",
             f"{calibration / plain_seconds:.0f}" if calibration is not None else "-",
             f"{beyond / plain_seconds:.0f}" if (beyond := calibration_beyond_first_call(case)) is not None else "-",
@@ -492,6 +515,12 @@ def summary(cases: List[CaseResult]) -> List[str]:
         broken = [f"{c.model} {c.fraction}" for c in cases
                   if failed(c.routes[route]) and not refused_before_running(c.routes[route])]
         lines.append(f"  {route}: {kept}" + (f"; broken: {', '.join(broken)}" if broken else ""))
+    for route in ("fit", "keras"):
+        probed = [c for c in cases if c.routes[route].get("probed")]
+        if probed:
+            lines.append(f"{route}: probed the lowest plan in {len(probed)} cases: "
+                         + ", ".join(f"{c.model} {c.fraction} ({'trained' if not failed(c.routes[route]) else 'refused'})"
+                                     for c in probed))
     fit_used = [c.routes["fit"]["peak"] / c.budget for c in cases
                 if not failed(c.routes["fit"]) and c.routes["fit"].get("peak")]
     if fit_used:
@@ -537,6 +566,9 @@ def main(argv=None) -> None:
     parser.add_argument("--allocator", choices=ALLOCATORS, default=ALLOCATORS[0],
                         help="how a capped worker's allocator holds its pool: one region as on a GPU (default), "
                              "or growing region by region as the CPU's does")
+    parser.add_argument("--onednn", choices=("on", "off"), default=None,
+                        help="off: TF_ENABLE_ONEDNN_OPTS=0 in every worker, so that a capped allocator's failure "
+                             "raises ResourceExhaustedError as a GPU's does (default: TensorFlow's, on)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -550,6 +582,8 @@ def main(argv=None) -> None:
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {sorted(FAMILIES)}")
     fractions = [float(f) for f in args.fractions.split(",")]
+    if args.onednn is not None:
+        os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if args.onednn == "on" else "0"  # workers inherit it
     start = time.perf_counter()
     cases: List[CaseResult] = []
 
@@ -567,7 +601,8 @@ def write(cases: List[CaseResult], out: str, allocator: str = ALLOCATORS[0]) -> 
     table = Table(NAME, "Budgets under a hard memory limit (TF_CPU_BFC_MEM_LIMIT_IN_MB = budget)", COLUMNS)
     for case in cases:
         table.add(*row(case))
-    table.notes.append(f"capped workers' allocator: {allocator} (--allocator)")
+    table.notes.append(f"capped workers' allocator: {allocator} (--allocator); oneDNN "
+                       f"{'off' if os.environ.get('TF_ENABLE_ONEDNN_OPTS') == '0' else 'on'} (--onednn)")
     table.notes.extend(summary(cases))
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"{NAME}.md"), "w", encoding="utf-8") as file:

@@ -35,7 +35,8 @@ from memsaving.planners.known_error import KNOWN_ERROR, needed_budget, safe_targ
 from memsaving.errors import BudgetError, PeakMemoryUnavailableError, feasible_budget
 from memsaving.planners.budget import exact_bytes, format_bytes, parse_bytes
 from memsaving.planners.planning import Plan
-from memsaving.tf.measure import bytes_in_use, default_device, measure_peak, peak_bytes, reset_peak
+from memsaving.tf.measure import (bytes_in_use, default_device, measure_peak, out_of_memory_raises, peak_bytes,
+                                  reset_peak)
 
 logger = logging.getLogger("memsaving")
 
@@ -350,14 +351,28 @@ def fit_to_budget(
     report = Calibration(budget=budget_bytes, rounds=calibrator.rounds)
     gc.collect()
     calibrator.first_target(resident=bytes_in_use(device))
-    snapshot: List[Optional[List[tuple]]] = [None]
-    try:
-        function = _calibrate(python_fn, args, kwargs, calibrator, report, device, verbose, snapshot)
-    finally:
-        if restore_variables and snapshot[0] is not None:
-            restore_values(snapshot[0])
+    function = _calibrate_or_undo(python_fn, args, kwargs, calibrator, report, device, verbose, restore_variables)
     report.seconds = time.perf_counter() - start
     return WatchedStep(function, python_fn, calibrator, report, device, verbose)
+
+
+def _calibrate_or_undo(python_fn: Callable, args: tuple, kwargs: dict, calibrator: Calibrator,
+                       report: "Calibration", device: Optional[str], verbose: bool, restore_variables: bool):
+    """:func:`_calibrate`; the variables are put back as they were before its
+    first round when ``restore_variables``, and whenever it ends in a
+    ``BudgetError``: a budget refused after measured rounds (a probe that ran
+    out of memory, a lowest plan measured over) counts no step, as Keras'
+    calibration does."""
+    snapshot: List[Optional[List[tuple]]] = [None]
+    undo = restore_variables
+    try:
+        return _calibrate(python_fn, args, kwargs, calibrator, report, device, verbose, snapshot)
+    except BudgetError:
+        undo = True
+        raise
+    finally:
+        if undo and snapshot[0] is not None:
+            restore_values(snapshot[0])
 
 
 def _calibrate(python_fn: Callable, args: tuple, kwargs: dict, calibrator: Calibrator, report: "Calibration",
@@ -382,13 +397,17 @@ def _calibrate(python_fn: Callable, args: tuple, kwargs: dict, calibrator: Calib
                 # planned for a target made with less memory in use than the step found: plan again
                 calibrator.target = retarget
                 continue
-            raise refusal("memsaving.fit_to_budget", budget_bytes, predicted, resident, calibrator.ratio,
-                          calibrator.rounds)
+            probe = calibrator.may_probe(predicted, resident) and out_of_memory_raises(device)
+            if not probe:
+                raise refusal("memsaving.fit_to_budget", budget_bytes, predicted, resident, calibrator.ratio,
+                              calibrator.rounds)
+        else:
+            probe = False
         if snapshot[0] is None:
             snapshot[0] = snapshot_values(concrete.variables)
         current = replace(_measured_round(step, args, kwargs, planned_target(plans, calibrator.target), predicted,
                                           resident, budget_bytes, device, snapshot[0]),
-                          highest=recomputes_nothing(plans), asked_for=calibrator.target)
+                          highest=recomputes_nothing(plans), asked_for=calibrator.target, probe=probe)
         decision = calibrator.record(current)
         for plan in plans:
             plan.measured_peak = current.measured_peak
@@ -459,8 +478,8 @@ class WatchedStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._again:
             self._again = False
-            self.function = _calibrate(self._python_fn, args, kwargs, self._calibrator, self.calibration,
-                                       self._device, self._verbose, [None])
+            self.function = _calibrate_or_undo(self._python_fn, args, kwargs, self._calibrator, self.calibration,
+                                               self._device, self._verbose, restore_variables=False)
         if not self._watching:
             return self.function(*args, **kwargs)
         try:

@@ -58,7 +58,7 @@ from memsaving.fit_budget import (MEASURED_STEPS, Calibration, calibration_error
 from memsaving.api import gradients_and_plan
 from memsaving.offload import offload_step, step_model
 from memsaving.tf.forward import ops_made_in
-from memsaving.tf.measure import bytes_in_use, default_device, peak_bytes, reset_peak
+from memsaving.tf.measure import bytes_in_use, default_device, out_of_memory_raises, peak_bytes, reset_peak
 from memsaving.tf.offload import OffloadOptions
 from memsaving.tf.placement import bytes_of, place_optimizer, place_variables, same_device
 from memsaving.planners.planning import Plan
@@ -643,6 +643,7 @@ class _Calibrator:
         self.off = False
         self.snapshot: Optional[_VariableSnapshot] = None  # the variables as the running fit began
         self.readmitted = False  # the trace being made plans a measured round's plan again
+        self.probing = False  # the trace being measured plans what only a probe may run
         self.start = time.perf_counter()
 
     @contextlib.contextmanager
@@ -685,8 +686,10 @@ class _Calibrator:
         is not the step's."""
         readmitted, self.readmitted = self.readmitted, False
         if not readmitted and not self.engine.may_run(plan.device_peak, plan.resident_bytes):
-            raise refusal(f"memsaving.keras ({model.name})", self.engine.budget, plan.device_peak,
-                          plan.resident_bytes, self.engine.ratio, self.engine.rounds)
+            if not (self.engine.may_probe(plan.device_peak, plan.resident_bytes) and out_of_memory_raises(self.device)):
+                raise refusal(f"memsaving.keras ({model.name})", self.engine.budget, plan.device_peak,
+                              plan.resident_bytes, self.engine.ratio, self.engine.rounds)
+            self.probing = True  # measured once (Calibrator.may_probe); a failure undoes its steps
         self.plans.append(plan)
         if not self.off:
             try:
@@ -770,7 +773,8 @@ class _Calibrator:
 
     def _judge(self, model: keras.Model, plans: List[Plan], current: CalibrationRound) -> None:
         engine, report = self.engine, self.report
-        current = replace(current, highest=recomputes_nothing(plans), asked_for=engine.target)
+        current = replace(current, highest=recomputes_nothing(plans), asked_for=engine.target, probe=self.probing)
+        self.probing = False
         decision = engine.record(current)
         for plan in plans:
             plan.measured_peak = current.measured_peak

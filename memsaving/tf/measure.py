@@ -15,6 +15,30 @@ def default_device() -> str:
     return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
 
 
+def out_of_memory_raises(device: Optional[str] = None) -> bool:
+    """Whether a step that needs more than ``device``'s memory limit fails
+    with ``ResourceExhaustedError`` (which a calibration survives: it puts
+    the variables back), rather than not failing or ending the process.
+
+    A GPU's allocator has a hard limit and raises.  The CPU's has one only
+    under ``TF_CPU_BFC_MEM_LIMIT_IN_MB``, and there oneDNN's kernels end
+    the process on an allocation failure (a residual conv net's and a
+    depthwise net's plain steps under their caps: a segmentation fault)
+    where TensorFlow's own kernels, with ``TF_ENABLE_ONEDNN_OPTS=0``, raise.
+
+    Examples
+    --------
+    >>> import os
+    >>> out_of_memory_raises("CPU:0") == (bool(os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB"))
+    ...                                   and os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0")
+    True
+    """
+    device = device or default_device()
+    if "GPU" in device.upper():
+        return True
+    return bool(os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB")) and os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0"
+
+
 def measure_peak(fn: Callable[..., Any], *args, device: Optional[str] = None, **kwargs) -> int:
     """Run ``fn(*args, **kwargs)`` and return the allocator's peak bytes during it.
 

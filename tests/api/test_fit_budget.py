@@ -8,6 +8,7 @@ that it cannot.  ``pytest tests/api/test_fit_budget.py -s`` prints every round.
 
 import gc
 import os
+import re
 
 import keras
 import numpy as np
@@ -268,6 +269,102 @@ def test_fit_to_budget_trains_under_a_hard_memory_limit():
                                  environment={"TF_CPU_BFC_MEM_LIMIT_IN_MB": str(budget_mib)})
     assert figures["peak"] <= figures["budget"]
     assert all(peak <= figures["budget"] for peak in figures["rounds"])
+
+
+def _probe_budget(mlp) -> int:
+    """A budget the 30% prior refuses while the planner's lowest plan meets it as predicted (less
+    the headroom): the smallest budget a refusal names leaves room for a step memory 1.3x the
+    lowest plan's prediction, so the plan needs 1/1.3 of that room as predicted; this budget is
+    midway between the two (0.885 of the way from the resident bytes)."""
+    _, resident = mlp.plain_plan()
+    with pytest.raises(memsaving.BudgetError) as caught:
+        memsaving.fit_to_budget(mlp.step(resident + 1), mlp.x, budget=resident + 1)
+    return _midway(caught.value)
+
+
+def _midway(refusal) -> int:
+    """0.885 of the way from the refusal's bytes in use before the step to its smallest budget."""
+    resident = float(re.search(r"([\d.]+) MiB of it in use before the step", str(refusal)).group(1)) * MiB
+    return int(resident + 0.885 * (refusal.smallest_budget - resident))
+
+
+def test_a_budget_the_prior_refuses_is_probed_where_running_out_of_memory_raises(monkeypatch):
+    """Nothing measured yet, the known error forbids every plan, but the lowest plan is predicted
+    under the budget less the headroom: on a device where a step that runs out of memory raises
+    (a GPU), that plan is measured once, and kept when it fits.  Where it may end the process (the
+    CPU with oneDNN under a cap) or the budget is no limit (the CPU without one), the budget is
+    refused as before."""
+    import memsaving.fit_budget as fit_budget
+
+    mlp = MLP(seed=4, unseen_copies=0)
+    budget = _probe_budget(mlp)
+    with pytest.raises(memsaving.BudgetError, match="Nothing was run"):
+        memsaving.fit_to_budget(mlp.step(budget), mlp.x, budget=budget)
+    monkeypatch.setattr(fit_budget, "out_of_memory_raises", lambda device=None: True)
+    step = memsaving.fit_to_budget(mlp.step(budget), mlp.x, budget=budget, restore_variables=True)
+    rounds = step.calibration.rounds
+    _show("fit_to_budget, a probe of the lowest plan", rounds, budget)
+    assert rounds[0].probe and rounds[0].lowest and step.calibration.fits
+    assert "measured as a probe" in rounds[0].describe(budget)
+
+
+def test_a_probe_that_runs_out_of_memory_is_undone_and_the_budget_refused(monkeypatch):
+    import memsaving.fit_budget as fit_budget
+
+    mlp = MLP(seed=4, unseen_copies=0)
+    budget = _probe_budget(mlp)
+    monkeypatch.setattr(fit_budget, "out_of_memory_raises", lambda device=None: True)
+    _scripted_peaks(monkeypatch, [(0.5, "oom")], budget)  # its first measured run fits, the second fails
+    runs = tf.Variable(0)
+    before = [w.numpy().copy() for w in mlp.weights]
+
+    def counted(x):
+        runs.assign_add(1)
+        return mlp.step(budget)(x)
+
+    with pytest.raises(memsaving.BudgetError, match="lowest plan") as caught:
+        memsaving.fit_to_budget(counted, mlp.x, budget=budget)
+    (probe,) = caught.value.calibration.rounds
+    assert probe.probe and probe.out_of_memory
+    assert int(runs.numpy()) == 0  # the probe's warm-up and measured runs are undone
+    for w, value in zip(mlp.weights, before):
+        np.testing.assert_array_equal(w.numpy(), value)
+
+
+def probe_budget_figures() -> dict:
+    """The probe's budget in whole MiB (:func:`_probe_budget`), in a process of its own."""
+    return {"budget_mib": round(_probe_budget(MLP(seed=5, unseen_copies=0)) / MiB)}
+
+
+def capped_probe_figures(steps: int = 20) -> dict:
+    """fit_to_budget and ``steps`` training steps under TF_CPU_BFC_MEM_LIMIT_IN_MB, oneDNN off, the
+    allocator's pool held as one region as a GPU's is (the CPU's regions of 2, 4, 8... MiB cut an
+    8 MiB cap into pieces, and the probe ran out of memory there with 1 MiB of room)."""
+    from experiments.bench_hard_limit import pool_as_one_region
+
+    budget = int(os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"]) * MiB
+    pool_as_one_region(budget)
+    mlp = MLP(seed=5, unseen_copies=0)
+    try:
+        step = memsaving.fit_to_budget(mlp.step(budget), mlp.x, budget=budget)
+    except memsaving.BudgetError as error:
+        return {"error": str(error).splitlines()[0], "rounds": [r.probe for r in error.calibration.rounds]}
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    for _ in range(steps):
+        step(mlp.x).numpy()
+    return {"probes": [r.probe for r in step.calibration.rounds], "budget": budget,
+            "peak": int(tf.config.experimental.get_memory_info("CPU:0")["peak"])}
+
+
+def test_a_probe_under_a_hard_memory_limit_trains_where_the_prior_refused():
+    """With oneDNN off, the capped CPU raises ResourceExhaustedError as a GPU does, so a budget the
+    prior refuses is probed: the lowest plan measures under it and trains 20 steps under the cap."""
+    budget_mib = in_a_fresh_process("test_fit_budget", "probe_budget_figures", test_settings=False)["budget_mib"]
+    figures = in_a_fresh_process("test_fit_budget", "capped_probe_figures", test_settings=False,
+                                 environment={"TF_CPU_BFC_MEM_LIMIT_IN_MB": str(budget_mib),
+                                              "TF_ENABLE_ONEDNN_OPTS": "0"})
+    assert "error" not in figures, figures
+    assert figures["probes"][0] and figures["peak"] <= figures["budget"], figures
 
 
 def _buffer_address(variable) -> int:
@@ -587,6 +684,53 @@ def test_a_keras_step_out_of_memory_after_calibration_reruns_fit_on_a_lower_plan
     assert rounds[failed + 1].planned_for < rounds[failed].planned_for
     assert mkeras.calibration_of(model).fits
     assert int(model.optimizer.iterations.numpy()) == 5 * 2  # the steps before the error were undone
+
+
+def _keras_probe_budget() -> int:
+    """A budget Keras' calibration refuses on the 30% prior while the lowest plan meets it as
+    predicted: midway (0.885 of the way from the resident bytes) to the smallest budget a refusal
+    names, as :func:`_probe_budget`."""
+    model = _keras_mlp(use_bias=False)
+    mkeras.enable(model, budget=_keras_budget(0.0), verbose=False, multilevel=True)
+    x, y = _keras_data()
+    with pytest.raises(memsaving.BudgetError) as caught:
+        model.fit(x, y, batch_size=KERAS_BATCH, epochs=1, shuffle=False, verbose=0)
+    return _midway(caught.value)
+
+
+def test_keras_probes_a_budget_the_prior_refuses_where_running_out_of_memory_raises(monkeypatch):
+    """As fit_to_budget: on a device whose out-of-memory errors raise, the lowest plan the prior
+    forbids is measured once; it fits and trains.  A probe that runs out of memory raises a
+    BudgetError with no step counted."""
+    monkeypatch.setattr(mkeras, "out_of_memory_raises", lambda device=None: True)
+    budget = _keras_probe_budget()
+    x, y = _keras_data()
+    model = _keras_mlp(use_bias=False)
+    mkeras.enable(model, budget=budget, verbose=False, multilevel=True)
+    model.fit(x, y, batch_size=KERAS_BATCH, epochs=3, shuffle=False, verbose=0)
+    report = mkeras.calibration_of(model)
+    _show("keras fit, a probe of the lowest plan", report.rounds, budget)
+    assert report.rounds[0].probe and report.fits
+    assert int(model.optimizer.iterations.numpy()) == 3 * 2
+
+
+def test_a_keras_probe_that_runs_out_of_memory_counts_no_step(monkeypatch):
+    monkeypatch.setattr(mkeras, "out_of_memory_raises", lambda device=None: True)
+    budget = _keras_probe_budget()
+    gc.collect()
+
+    class OutOfMemory(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor (scripted)")
+
+    x, y = _keras_data()
+    model = _keras_mlp(use_bias=False)
+    mkeras.enable(model, budget=budget, verbose=False, multilevel=True)
+    with pytest.raises(memsaving.BudgetError, match="lowest plan measures over the budget"):
+        model.fit(x, y, batch_size=KERAS_BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[OutOfMemory()])
+    (probe,) = mkeras.calibration_of(model).rounds
+    assert probe.probe and probe.out_of_memory
+    assert int(model.optimizer.iterations.numpy()) == 0
 
 
 def test_keras_refuses_a_budget_below_every_plan_before_the_first_step():
