@@ -8,17 +8,19 @@ known error, and a calibration (``memsaving.fit_to_budget``, and
 the budget from below:
 
 1. the first plan is made for a budget that leaves room for the known error
-   (:func:`safe_target`): a step whose memory is off by that much still fits;
+   (:func:`safe_target`): a step whose memory is off by that much still fits.
+   When no plan leaves that room, the lowest plan may still be measured once
+   as a probe where running out of memory raises (:meth:`Calibrator.may_probe`);
 2. its step is measured, and the ratio of its measured to its predicted
    step memory (:attr:`CalibrationRound.ratio`) replaces the prior error;
 3. the next plan is made for the budget that ratio allows, and measured in
    turn (once: :data:`MAX_CLIMBS`), unless the measured plan uses the
    budget already (:data:`USED_ENOUGH`), the next plan would not be higher,
-   or the rounds run out.  A plan measured
-   over the budget (or failing with an out-of-memory error) sends the next
-   plan lower, and the best plan measured under it is kept.
+   or the rounds run out.  A plan measured over the budget (or failing
+   with an out-of-memory error) sends the next plan lower, and the best
+   plan measured under it is kept.
 4. a caller that goes on measuring its steps after calibration
-   (``memsaving.keras``) judges each by :meth:`Calibrator.steady_step`: the
+   (``memsaving.keras``, ``fit_to_budget``'s step) judges each by :meth:`Calibrator.steady_step`: the
    chosen plan's peak can creep up later, as the allocator's chunks move,
    and a step that leaves less than its room under the budget (or runs
    out of memory) sends the next plan lower.

@@ -6,7 +6,9 @@ predicted peak stays under the budget even if the step's memory (its peak
 above the resident bytes: weights, optimizer slots, inputs, what the device
 held while planning) is :data:`KNOWN_ERROR` above the prediction.  A
 calibration replaces that prior with the error it measures
-(:mod:`memsaving.calibration`).
+(:mod:`memsaving.calibration`), and where running out of memory raises it
+may measure the lowest plan the prior forbids once, as a probe
+(:meth:`memsaving.calibration.Calibrator.may_probe`).
 """
 
 from __future__ import annotations
