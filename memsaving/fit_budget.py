@@ -285,7 +285,16 @@ def fit_to_budget(
     times): optimizer updates and other side effects happen.  Pass
     ``restore_variables=True`` to put every variable the step reads or
     writes back to its value from before calibration; the copies are held in
-    host memory.  A round that runs out of memory restores them in any case.
+    host memory.  A round that runs out of memory restores them in any case,
+    and so does a calibration that ends in a ``BudgetError``: a refused
+    budget counts no step.
+
+    **Probes.**  Where running out of memory raises (a GPU; the CPU only
+    under ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` with ``TF_ENABLE_ONEDNN_OPTS=0``),
+    a budget whose every plan the known error forbids, while the lowest
+    plan is predicted under it less the headroom, is not refused at once:
+    that plan is measured (:meth:`memsaving.calibration.Calibrator.may_probe`),
+    kept if it fits, else refused with its steps undone.
 
     Parameters
     ----------

@@ -114,13 +114,17 @@ def enable(
         (0: plan as predicted, never measure).  No step runs whose plan is
         predicted over the budget, or under it by less than the known error
         (the model's, then the one measured): such a budget is refused with
-        ``memsaving.BudgetError`` before the first step.  The first plan
+        ``memsaving.BudgetError`` before the first step, except that where
+        running out of memory raises (a GPU), the lowest plan the model's
+        prior error forbids is measured once as a probe when it is
+        predicted under the budget less the headroom (kept if it fits,
+        else refused with its steps undone).  The first plan
         leaves room for that error; the first three steps each traced train
         function runs are measured with the allocator (the highest peak
         counts; the whole device: weights, optimizer slots and data count),
-        and the step is traced again for a higher plan (the error measured
-        allows it) or a lower one (over the budget, less 2%), until a plan
-        uses 90% of the budget.  Those steps are real training steps.  A
+        and the step is traced again, once, for a higher plan (the error
+        measured allows it), or for a lower one (over the budget, less 2%)
+        until one fits.  Those steps are real training steps.  A
         step that runs out of memory while calibrating puts the variables
         back as they were when ``fit`` began, and ``fit`` starts again on a
         lower plan.  The error lists every round; its ``smallest_budget`` is
