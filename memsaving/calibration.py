@@ -247,6 +247,9 @@ class Calibrator:
     reason: str = ""
     climbs: int = 0
     """How many times a round that fits was followed by a higher plan (:data:`MAX_CLIMBS`)."""
+    probes: bool = False
+    """Running out of memory raises on the device measured (the caller says:
+    ``memsaving.tf.measure.out_of_memory_raises``), so :meth:`may_probe` may allow a probe."""
 
     def first_target(self, resident: int) -> int:
         """The target of the first trace: room for the known error."""
@@ -269,17 +272,19 @@ class Calibrator:
         under the budget less the headroom as it stands.  The caller probes
         only on a device where running out of memory raises, and puts the
         variables back when the probe fails, so a budget no plan meets is
-        still refused with no step counted.  Before, a residual conv net was
+        still refused with no step counted (:attr:`probes`).  Before, a residual conv net was
         refused a budget its memory-mode plan measured 13% under (the
         prior asked for room the model's real error, 1.06x, did not need).
 
         Examples
         --------
-        >>> c = Calibrator(budget=1000)
+        >>> c = Calibrator(budget=1000, probes=True)
         >>> c.may_run(850, 200), c.may_probe(850, 200), c.may_probe(950, 200)
         (False, True, False)
+        >>> Calibrator(budget=1000).may_probe(850, 200)
+        False
         """
-        return not self.rounds and admissible(predicted, resident, self.budget, 1.0, HEADROOM)
+        return self.probes and not self.rounds and admissible(predicted, resident, self.budget, 1.0, HEADROOM)
 
     def widest_spread(self) -> int:
         """The widest run-to-run spread of the rounds so far (bytes)."""

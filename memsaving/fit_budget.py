@@ -356,7 +356,7 @@ def fit_to_budget(
     start = time.perf_counter()
     budget_bytes = _check_arguments(step_fn, budget, max_rounds)
     python_fn = getattr(step_fn, "python_function", step_fn)  # a tf.function would not retrace
-    calibrator = Calibrator(budget=budget_bytes, max_rounds=max_rounds)
+    calibrator = Calibrator(budget=budget_bytes, max_rounds=max_rounds, probes=out_of_memory_raises(device))
     report = Calibration(budget=budget_bytes, rounds=calibrator.rounds)
     gc.collect()
     calibrator.first_target(resident=bytes_in_use(device))
@@ -406,7 +406,7 @@ def _calibrate(python_fn: Callable, args: tuple, kwargs: dict, calibrator: Calib
                 # planned for a target made with less memory in use than the step found: plan again
                 calibrator.target = retarget
                 continue
-            probe = calibrator.may_probe(predicted, resident) and out_of_memory_raises(device)
+            probe = calibrator.may_probe(predicted, resident)
             if not probe:
                 raise refusal("memsaving.fit_to_budget", budget_bytes, predicted, resident, calibrator.ratio,
                               calibrator.rounds)

@@ -637,10 +637,10 @@ class _Calibrator:
     """
 
     def __init__(self, budget: int, max_rounds: int):
-        self.engine = Calibrator(budget=budget, max_rounds=max_rounds)
+        self.device = default_device()
+        self.engine = Calibrator(budget=budget, max_rounds=max_rounds, probes=out_of_memory_raises(self.device))
         self.report = Calibration(budget=budget, rounds=self.engine.rounds)
         self.plans: List[Plan] = []  # plans traced since the last measured step
-        self.device = default_device()
         self.measured_function: Any = None  # the last train function judged
         self.pending: Optional[Tuple[List[Plan], List[int]]] = None  # (plans, measured peaks) of the trace being measured
         self.final = False  # the plan is chosen: its steps are only watched (_steady)
@@ -690,7 +690,7 @@ class _Calibrator:
         is not the step's."""
         readmitted, self.readmitted = self.readmitted, False
         if not readmitted and not self.engine.may_run(plan.device_peak, plan.resident_bytes):
-            if not (self.engine.may_probe(plan.device_peak, plan.resident_bytes) and out_of_memory_raises(self.device)):
+            if not self.engine.may_probe(plan.device_peak, plan.resident_bytes):
                 raise refusal(f"memsaving.keras ({model.name})", self.engine.budget, plan.device_peak,
                               plan.resident_bytes, self.engine.ratio, self.engine.rounds)
             self.probing = True  # measured once (Calibrator.may_probe); a failure undoes its steps
