@@ -24,19 +24,43 @@ def out_of_memory_raises(device: Optional[str] = None) -> bool:
     under ``TF_CPU_BFC_MEM_LIMIT_IN_MB``, and there oneDNN's kernels end
     the process on an allocation failure (a residual conv net's and a
     depthwise net's plain steps under their caps: a segmentation fault)
-    where TensorFlow's own kernels, with ``TF_ENABLE_ONEDNN_OPTS=0``, raise.
+    where TensorFlow's own (Eigen) kernels raise.  Whether oneDNN runs is
+    TensorFlow's choice when it starts (:func:`onednn_enabled`): on by
+    default on x86 CPUs with AVX-512, off on others and under
+    ``TF_ENABLE_ONEDNN_OPTS=0``.
 
     Examples
     --------
     >>> import os
     >>> out_of_memory_raises("CPU:0") == (bool(os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB"))
-    ...                                   and os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0")
+    ...                                   and not onednn_enabled())
     True
     """
     device = device or default_device()
     if "GPU" in device.upper():
         return True
-    return bool(os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB")) and os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0"
+    return bool(os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB")) and not onednn_enabled()
+
+
+def onednn_enabled() -> bool:
+    """Whether TensorFlow runs oneDNN's CPU kernels in this process.
+
+    TensorFlow decides when it starts, from ``TF_ENABLE_ONEDNN_OPTS`` and,
+    when that is unset, from the CPU (on by default where it has AVX-512
+    instructions): their work buffers and their failures under a memory
+    cap differ from Eigen's.
+
+    Examples
+    --------
+    >>> isinstance(onednn_enabled(), bool)
+    True
+    """
+    try:
+        from tensorflow.python.util import _pywrap_util_port  # pylint: disable=import-outside-toplevel
+
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):
+        return False
 
 
 def measure_peak(fn: Callable[..., Any], *args, device: Optional[str] = None, **kwargs) -> int:

@@ -558,6 +558,39 @@ def feeding_results(made: Sequence[tf.Operation], results: Sequence) -> Set[tf.O
 # -- all together -----------------------------------------------------------------------------------
 
 
+def one_at_a_time(made: Sequence[tf.Operation], results: Sequence) -> int:
+    """Chain the ops of ``made`` that ``results`` need, in an order that
+    follows their edges; return the control edges added.
+
+    The profiler runs one op's gradient this way (:mod:`memsaving.tf.profiles`)
+    because :func:`pin_step` runs the step's gradient ops one after another:
+    measured with the kernels free to run at once, a convolution's two
+    gradients (Eigen's, each with a 32 MiB work buffer) overlapped and the
+    profile doubled a temporary the pinned step never holds.  The order
+    follows every edge of the graph, not only those among ``made``: a
+    loop's gradient gives the forward loop new inputs that new ops read.
+
+    Examples
+    --------
+    >>> import tensorflow as tf
+    >>> graph = tf.Graph()
+    >>> with graph.as_default():
+    ...     a = tf.square(tf.constant(1.0), name="a")
+    ...     b = tf.square(tf.constant(2.0), name="b")
+    >>> one_at_a_time([a.op, b.op], [a, b])
+    1
+    >>> [op.name for op in b.op.control_inputs]
+    ['a']
+    """
+    made = list(made)
+    if not made:
+        return 0
+    needed = must_run(t.op for t in _tensors(results)) & set(made)
+    # ordered with the rest of the graph: a loop's gradient feeds new inputs
+    # (its accumulators) to the forward loop, which other new ops read
+    return chain(_topological(made[0].graph.get_operations()), needed)
+
+
 def pin_step(labels: Sequence[str], units: UnitOps, graph: tf.Graph, made: Sequence[tf.Operation],
              results: Sequence, ys: Sequence[tf.Tensor]) -> int:
     """Make the step run in the order of the replay ``labels`` (the plan's

@@ -33,12 +33,14 @@ except ImportError:  # Windows has none: writers take turns by creating a marker
 
 logger = logging.getLogger("memsaving")
 
-FORMAT = 5
+FORMAT = 6
 """Version of the measurement procedure and of the cache file (3: function
 calls' gradients are measured through their own gradient functions; 4: what
 an op keeps for its gradient counts the bytes its extra outputs ask for, not
 the chunks they happened to hold; 5: an op given extra outputs for its
-gradient records which of its inputs and outputs the gradient still reads).
+gradient records which of its inputs and outputs the gradient still reads;
+6: an op's gradient kernels are measured one at a time, as the pinned step
+runs them).
 Entries of an older version are ignored and the file replaced; a newer
 version's file is left alone (this process then keeps its profiles in
 memory)."""

@@ -40,6 +40,8 @@ from memsaving.tf.forward import ops_made_in
 _tensorflow_gradients = gradients_impl.gradients_v2
 """TensorFlow's ``tf.gradients`` itself, whatever ``memsaving.patch()`` made of the name."""
 from memsaving.tf.loop_pinning import pin_loop_iterations
+from memsaving.tf.measure import onednn_enabled
+from memsaving.tf.order import one_at_a_time
 from memsaving.tf.profile_cache import OpProfile, ProfileCache, ProfileLimits
 from memsaving.tf.rows import static_shape
 from memsaving.model.progress import Progress
@@ -413,20 +415,11 @@ def device_key(device: Optional[str] = None) -> str:
         kind = "GPU-" + str(details.get("device_name", "unknown")).replace(" ", "_")
     else:
         # oneDNN or Eigen kernels (TF_ENABLE_ONEDNN_OPTS): their work buffers differ
-        kind = f"CPU-{platform.machine()}-{os.cpu_count()}-{'onednn' if _onednn() else 'eigen'}"
+        kind = f"CPU-{platform.machine()}-{os.cpu_count()}-{'onednn' if onednn_enabled() else 'eigen'}"
     # a loop's gradient holds more iterations at once with more threads
     threads = (tf.config.threading.get_inter_op_parallelism_threads(),
                tf.config.threading.get_intra_op_parallelism_threads())
     return f"tf{tf.__version__}|{kind}|threads{threads[0]}-{threads[1]}"
-
-
-def _onednn() -> bool:
-    try:
-        from tensorflow.python.util import _pywrap_util_port  # pylint: disable=import-outside-toplevel
-
-        return bool(_pywrap_util_port.IsMklEnabled())
-    except (ImportError, AttributeError):
-        return False
 
 
 class _Memory:
@@ -631,6 +624,7 @@ class _Measurement:
                 results = _tensorflow_gradients([op.outputs[i] for i in outputs], xs,
                                                 grad_ys=list(upstream)) if xs else []
             pin_loop_iterations(made)  # as memsaving.gradients runs them
+            one_at_a_time(made, results)  # one kernel at a time, as the pinned step runs them
             facts["extra"] = len(op.outputs) - n
             facts["extra_bytes"] = _static_bytes(op.outputs[n:])
             facts["reads"] = [i for i in range(n) if op.outputs[i].consumers()]
