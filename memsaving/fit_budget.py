@@ -448,9 +448,19 @@ class WatchedStep:
     statistics); a step whose peak leaves less than the chosen round's room
     under the budget (:meth:`memsaving.calibration.Calibrator.steady_step`)
     makes the next call calibrate again, from a lower plan, on its own
-    batch (rounds run real steps, as the first calibration did).  An
-    out-of-memory error after calibration is not caught: the step's updates
-    may be partly applied.
+    batch (rounds run real steps, as the first calibration did).
+
+    **Out of memory after calibration.**  Until the step's peak has stopped
+    rising (:data:`STEADY_CALLS` calls in a row at or under the highest
+    seen since the last calibration), each call first copies the variables
+    the step reads or writes to host memory.  A call that then fails with
+    ``ResourceExhaustedError`` (a step may have applied part of its updates
+    when it failed) puts them back, judges the plan out of memory,
+    calibrates again lower on the same batch and runs it: training goes on
+    with nothing half applied.  On the planner's lowest plan it raises
+    ``BudgetError`` instead, the variables as they were before the call.
+    Once the peak is steady the copies stop, and an out-of-memory error
+    propagates as TensorFlow raised it.
 
     ``calibration`` is the :class:`Calibration` record; any other attribute
     (``get_concrete_function``, ``python_function``...) is the current
@@ -480,6 +490,7 @@ class WatchedStep:
         self._verbose = verbose
         self._again = False  # the next call calibrates again first
         self._watching = True
+        self._rise = _PeakRise()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["function"], name)
@@ -487,8 +498,7 @@ class WatchedStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._again:
             self._again = False
-            self.function = _calibrate_or_undo(self._python_fn, args, kwargs, self._calibrator, self.calibration,
-                                               self._device, self._verbose, restore_variables=False)
+            self._calibrate_again(args, kwargs)
         if not self._watching:
             return self.function(*args, **kwargs)
         try:
@@ -496,9 +506,41 @@ class WatchedStep:
         except PeakMemoryUnavailableError:
             self._watching = False
             return self.function(*args, **kwargs)
-        result = self.function(*args, **kwargs)
-        self._watch(peak_bytes(self._device))
+        snapshot = None if self._rise.steady() else snapshot_values(self._variables(args, kwargs))
+        try:
+            result = self.function(*args, **kwargs)
+        except tf.errors.ResourceExhaustedError:
+            if snapshot is None:
+                raise
+            restore_values(snapshot)
+            return self._after_out_of_memory(args, kwargs)
+        measured = peak_bytes(self._device)
+        self._rise.add(measured)
+        self._watch(measured)
         return result
+
+    def _variables(self, args: tuple, kwargs: dict) -> list:
+        """The variables the current function reads or writes for these arguments (its trace's)."""
+        return list(self.function.get_concrete_function(*args, **kwargs).variables)
+
+    def _calibrate_again(self, args: tuple, kwargs: dict) -> None:
+        self.function = _calibrate_or_undo(self._python_fn, args, kwargs, self._calibrator, self.calibration,
+                                           self._device, self._verbose, restore_variables=False)
+        self._rise = _PeakRise()
+
+    def _after_out_of_memory(self, args: tuple, kwargs: dict) -> Any:
+        """A call failed with an out-of-memory error, its variables already put
+        back: judge the plan, calibrate lower on this batch and run it again."""
+        calibrator = self._calibrator
+        decision = calibrator.steady_step(calibrator.budget, out_of_memory=True)
+        self.calibration.chosen = None
+        if decision is Next.FAIL:
+            raise calibration_error("memsaving.fit_to_budget", calibrator.budget, calibrator)
+        _say(self._verbose, f"memsaving.fit_to_budget: {calibrator.describe_steady(0, out_of_memory=True)}; the "
+                            f"variables are back as before the step, which is traced again from "
+                            f"{format_bytes(calibrator.target)}")
+        self._calibrate_again(args, kwargs)
+        return self(*args, **kwargs)
 
     def _watch(self, measured: int) -> None:
         calibrator = self._calibrator
@@ -509,6 +551,30 @@ class WatchedStep:
         _say(self._verbose, f"memsaving.fit_to_budget: {calibrator.describe_steady(measured)}; the next step "
                             f"calibrates again from {format_bytes(calibrator.target)}")
         self._again = True
+
+
+STEADY_CALLS = 10
+"""Calls in a row whose peak stays at or under the highest seen since the
+last calibration, after which a :class:`WatchedStep` stops copying the
+variables before each call (the allocator's layout has settled)."""
+
+
+@dataclass
+class _PeakRise:
+    """Whether a watched step's peak is still rising: the highest peak since
+    the last calibration and how many calls in a row stayed at or under it."""
+
+    highest: int = -1
+    calls_under: int = 0
+
+    def add(self, measured: int) -> None:
+        if measured > self.highest:
+            self.highest, self.calls_under = measured, 0
+        else:
+            self.calls_under += 1
+
+    def steady(self) -> bool:
+        return self.calls_under >= STEADY_CALLS
 
 
 def _measured_round(step, args, kwargs, target: int, predicted: int, resident: int, budget: int,

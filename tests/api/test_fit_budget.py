@@ -166,6 +166,70 @@ def test_fit_to_budgets_later_steps_are_watched_and_a_creep_calibrates_again_low
     assert step.get_concrete_function(mlp.x) is not None  # other attributes are the tf.function's
 
 
+class _OutOfMemoryOnce:
+    """Stands in for a WatchedStep's tf.function: its next call applies part of an update (adds 1 to
+    a weight), then fails as a device out of memory does; later calls are the real function's."""
+
+    def __init__(self, function, weight):
+        self.function, self.weight, self.raised = function, weight, 0
+
+    def get_concrete_function(self, *args, **kwargs):
+        return self.function.get_concrete_function(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        if not self.raised:
+            self.raised += 1
+            self.weight.assign_add(tf.ones_like(self.weight))
+            raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor (scripted)")
+        return self.function(*args, **kwargs)
+
+
+def test_a_step_out_of_memory_after_calibration_is_undone_and_run_again_lower():
+    """A call of the calibrated step fails with ResourceExhaustedError after applying part of its
+    updates (as a device does when the allocator's chunks moved since calibration): the variables
+    are put back as before the call, the plan is judged out of memory, the step is calibrated again
+    lower on the same batch and run; training goes on with nothing half applied."""
+    mlp = MLP(unseen_copies=0)
+    budget = _budget_between(mlp, 0.6)
+    step = memsaving.fit_to_budget(mlp.step(budget), mlp.x, budget=budget)
+    chosen = step.calibration.rounds[step.calibration.chosen]
+    if chosen.lowest:
+        pytest.skip("the budget's calibration chose the planner's lowest plan: nothing lower to go to")
+    step(mlp.x)
+    before = mlp.weights[0].numpy().copy()
+    calibrated = len(step.calibration.rounds)
+    step.function = _OutOfMemoryOnce(step.function, mlp.weights[0])
+    loss = step(mlp.x)
+    _show("fit_to_budget, a step after calibration out of memory", step.calibration.rounds, budget)
+    assert loss is not None and loss.shape == ()  # the step ran, on the lower plan
+    assert np.max(np.abs(mlp.weights[0].numpy() - before)) < 0.5  # the partial +1 was undone
+    failed = step.calibration.rounds[calibrated]
+    assert failed.out_of_memory and failed.steady
+    after = step.calibration.rounds[calibrated + 1:]
+    assert after and after[0].planned_for < chosen.planned_for
+    assert step.calibration.fits and step.calibration.chosen > calibrated
+
+
+def test_a_watched_step_stops_copying_the_variables_once_its_peak_is_steady(monkeypatch):
+    """The host copies a watched call makes before running stop after STEADY_CALLS calls in a row
+    at or under the highest peak since calibration: after that an out-of-memory error propagates."""
+    import memsaving.fit_budget as fit_budget
+
+    mlp = MLP(unseen_copies=0)
+    budget = _budget_between(mlp, 0.6)
+    step = memsaving.fit_to_budget(mlp.step(budget), mlp.x, budget=budget)
+    copies = []
+    real_snapshot = fit_budget.snapshot_values
+    monkeypatch.setattr(fit_budget, "snapshot_values", lambda variables: copies.append(1) or real_snapshot(variables))
+    monkeypatch.setattr(fit_budget, "peak_bytes", lambda device=None: budget // 2)  # steady, well inside the budget
+    for _ in range(fit_budget.STEADY_CALLS + 5):
+        step(mlp.x)
+    assert len(copies) == fit_budget.STEADY_CALLS + 1  # the first call sets the highest peak
+    step.function = _OutOfMemoryOnce(step.function, mlp.weights[0])
+    with pytest.raises(tf.errors.ResourceExhaustedError):
+        step(mlp.x)
+
+
 def test_a_low_first_round_climbs_to_a_higher_plan(monkeypatch):
     mlp = MLP()
     budget = _budget_between(mlp, 0.7)
