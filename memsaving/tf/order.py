@@ -572,15 +572,14 @@ def one_at_a_time(made: Sequence[tf.Operation], results: Sequence) -> int:
 
     Examples
     --------
+    Two independent kernels made for a gradient: the second now waits.
+
     >>> import tensorflow as tf
-    >>> graph = tf.Graph()
-    >>> with graph.as_default():
-    ...     a = tf.square(tf.constant(1.0), name="a")
-    ...     b = tf.square(tf.constant(2.0), name="b")
-    >>> one_at_a_time([a.op, b.op], [a, b])
-    1
-    >>> [op.name for op in b.op.control_inputs]
-    ['a']
+    >>> with tf.Graph().as_default():
+    ...     first, second = tf.sin(tf.ones([2]), name="first"), tf.cos(tf.ones([2]), name="second")
+    ...     edges = one_at_a_time([first.op, second.op], [first, second])
+    >>> edges, [op.name for op in second.op.control_inputs]
+    (1, ['first'])
     """
     made = list(made)
     if not made:
