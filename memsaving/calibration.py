@@ -286,6 +286,30 @@ class Calibrator:
         """
         return self.probes and not self.rounds and admissible(predicted, resident, self.budget, 1.0, HEADROOM)
 
+    def room_to_hold(self, resident: int) -> int:
+        """Bytes a round of a plan with ``resident`` bytes in use before its
+        step should hold on the device while it is measured: the room it must
+        leave (:func:`room_needed`), where running out of memory raises
+        (:attr:`probes`), else 0.  Held, the room makes the device's limit
+        the judge: a step that runs left it free, whatever the allocator's
+        peak reads (which counts chunks handed whole, up to twice a request),
+        and one that did not runs out of memory and is undone.
+
+        Examples
+        --------
+        >>> Calibrator(budget=1000, probes=True).room_to_hold(200), Calibrator(budget=1000).room_to_hold(200)
+        (80, 0)
+        """
+        if not self.probes:
+            return 0
+        return room_needed(self.budget - resident, self.widest_spread())
+
+    def steady_room_to_hold(self) -> int:
+        """:meth:`room_to_hold` for the steps after calibration: the chosen round's room (0 without one)."""
+        if not self.probes or self.best is None:
+            return 0
+        return self.rounds[self.best].room(self.budget)
+
     def widest_spread(self) -> int:
         """The widest run-to-run spread of the rounds so far (bytes)."""
         return max((r.spread for r in self.rounds), default=0)

@@ -415,7 +415,8 @@ def _calibrate(python_fn: Callable, args: tuple, kwargs: dict, calibrator: Calib
         if snapshot[0] is None:
             snapshot[0] = snapshot_values(concrete.variables)
         current = replace(_measured_round(step, args, kwargs, planned_target(plans, calibrator.target), predicted,
-                                          resident, budget_bytes, device, snapshot[0]),
+                                          resident, budget_bytes, device, snapshot[0],
+                                          room=calibrator.room_to_hold(resident)),
                           highest=recomputes_nothing(plans), asked_for=calibrator.target, probe=probe)
         decision = calibrator.record(current)
         for plan in plans:
@@ -453,14 +454,18 @@ class WatchedStep:
     **Out of memory after calibration.**  Until the step's peak has stopped
     rising (:data:`STEADY_CALLS` calls in a row at or under the highest
     seen since the last calibration), each call first copies the variables
-    the step reads or writes to host memory.  A call that then fails with
-    ``ResourceExhaustedError`` (a step may have applied part of its updates
-    when it failed) puts them back, judges the plan out of memory,
-    calibrates again lower on the same batch and runs it: training goes on
-    with nothing half applied.  On the planner's lowest plan it raises
-    ``BudgetError`` instead, the variables as they were before the call.
-    Once the peak is steady the copies stop, and an out-of-memory error
-    propagates as TensorFlow raised it.
+    the step reads or writes to host memory, and, where running out of
+    memory raises (:attr:`memsaving.calibration.Calibrator.probes`), holds
+    the room the chosen round left (:func:`held_room`), as the rounds did.
+    A call that then fails with ``ResourceExhaustedError`` (a step may have
+    applied part of its updates when it failed) puts the variables back,
+    judges the plan out of memory, calibrates again lower on the same batch
+    and runs it: training goes on with nothing half applied.  On the
+    planner's lowest plan it raises ``BudgetError`` instead, the variables
+    as they were before the call.  Once the peak is steady the copies stop
+    and the room is the step's to use (there, only a peak over the budget
+    itself sends the plan lower), and an out-of-memory error propagates as
+    TensorFlow raised it.
 
     ``calibration`` is the :class:`Calibration` record; any other attribute
     (``get_concrete_function``, ``python_function``...) is the current
@@ -506,16 +511,23 @@ class WatchedStep:
         except PeakMemoryUnavailableError:
             self._watching = False
             return self.function(*args, **kwargs)
-        snapshot = None if self._rise.steady() else snapshot_values(self._variables(args, kwargs))
+        steady = self._rise.steady()
+        snapshot = None if steady else snapshot_values(self._variables(args, kwargs))
+        room = 0 if steady else self._calibrator.steady_room_to_hold()
         try:
-            result = self.function(*args, **kwargs)
+            with held_room(room, self._device) as held:
+                result = self.function(*args, **kwargs)
+                measured = peak_bytes(self._device) - held
         except tf.errors.ResourceExhaustedError:
             if snapshot is None:
                 raise
             restore_values(snapshot)
             return self._after_out_of_memory(args, kwargs)
-        measured = peak_bytes(self._device)
         self._rise.add(measured)
+        if steady and self._calibrator.probes and measured <= self._calibrator.budget:
+            # settled, the step may use the room it kept, which is there for this; near a device's
+            # limit the peak reads chunks handed whole, and running out of memory would raise
+            return result
         self._watch(measured)
         return result
 
@@ -578,19 +590,62 @@ class _PeakRise:
 
 
 def _measured_round(step, args, kwargs, target: int, predicted: int, resident: int, budget: int,
-                    device: Optional[str], snapshot: List[tuple]) -> CalibrationRound:
+                    device: Optional[str], snapshot: List[tuple], room: int = 0) -> CalibrationRound:
     """Run the step once (warm-up) and :data:`MEASURED_STEPS` times measured; a
     run that runs out of memory ends the round, and the variables are put
-    back as they were before it."""
+    back as they were before it.
+
+    ``room``: bytes held on the device while the step runs (:func:`held_room`),
+    so that under the device's limit a step that would not leave that room
+    free runs out of memory; the peaks read exclude them."""
     before = snapshot_values(v for v, _ in snapshot)
     try:
-        step(*args, **kwargs)  # the first run of a graph allocates once-only buffers
-        peaks = [measure_peak(step, *args, device=device, **kwargs) for _ in range(MEASURED_STEPS)]
+        with held_room(room, device) as held:
+            step(*args, **kwargs)  # the first run of a graph allocates once-only buffers
+            peaks = [measure_peak(step, *args, device=device, **kwargs) - held for _ in range(MEASURED_STEPS)]
     except tf.errors.ResourceExhaustedError:
         restore_values(before)
         # the device's limit is the budget: the step needed at least that
         return CalibrationRound(target, predicted, budget, 0, resident, out_of_memory=True)
     return CalibrationRound.from_peaks(target, predicted, peaks, resident)
+
+
+@contextlib.contextmanager
+def held_room(nbytes: int, device: Optional[str] = None) -> Iterator[int]:
+    """Hold ``nbytes`` on ``device`` (one buffer) while the block runs; yields
+    the bytes the allocator counts for it (its chunk), 0 when ``nbytes`` is 0.
+
+    Why: the allocator's peak *bytes in use* is no measure of what a step
+    needs when the device's limit is near.  TensorFlow's BFC allocator hands
+    a request a free chunk of up to twice its size whole, so in a pool that
+    is the budget (a GPU's, or the CPU's under ``TF_CPU_BFC_MEM_LIMIT_IN_MB``)
+    a step's peak reads close to the limit whenever a large request comes
+    when little is free: Eigen's 24.5 MiB convolution work buffer took the
+    last 42 MiB of a 60 MiB pool whole, and a residual conv net measured
+    44.6 MiB without a cap read 59.0 under it.  Where running out of memory
+    raises, a calibration instead measures with the room a plan must leave
+    held: a step that runs leaves it free, whatever its peak reads, and one
+    that does not runs out of memory (and is undone).
+
+    Examples
+    --------
+    >>> import tensorflow as tf
+    >>> with held_room(4 << 20, "CPU:0") as held:
+    ...     held >= 4 << 20
+    True
+    """
+    if nbytes <= 0:
+        yield 0
+        return
+    device = device or default_device()
+    before = bytes_in_use(device)
+    with tf.device(device):
+        ballast = tf.zeros([nbytes], tf.uint8)
+    held = max(bytes_in_use(device) - before, 0)
+    try:
+        yield held
+    finally:
+        del ballast
 
 
 def snapshot_values(variables: Iterable[tf.Variable]) -> List[Tuple[tf.Variable, np.ndarray]]:

@@ -434,6 +434,80 @@ def test_a_probe_under_a_hard_memory_limit_trains_where_the_prior_refused():
     assert figures["probes"][0] and figures["peak"] <= figures["budget"], figures
 
 
+CONV_CAP_MIB = 48
+"""A cap for :func:`capped_conv_figures`: its two-convolution step needs about 36 MiB with Eigen's
+kernels, 32 of them one convolution gradient's work buffer (24.5 MiB asked for)."""
+
+
+def _two_convolutions():
+    inputs = keras.Input((32, 32, 3))
+    hidden = keras.layers.ReLU()(keras.layers.Conv2D(16, 3, padding="same")(inputs))
+    model = keras.Model(inputs, keras.layers.Conv2D(16, 3, padding="same")(hidden))
+    return model, tf.random.stateless_normal([16, 32, 32, 3], seed=(1, 2))
+
+
+def _conv_train_step(model, budget):
+    weights = model.trainable_variables
+
+    def train_step(x):
+        loss = tf.reduce_mean(tf.square(model(x, training=True)))
+        grads = memsaving.gradients(loss, weights, budget=budget)
+        for w, g in zip(weights, grads):
+            w.assign_sub(1e-3 * g)
+        return loss
+    return train_step
+
+
+def conv_profiles() -> dict:
+    """Profile the two-convolution step's kernels into the cache, with no cap (a profile taken in a
+    nearly full pool reads chunks handed whole: see the test)."""
+    model, x = _two_convolutions()
+
+    def profiled(x):
+        return memsaving.gradients(tf.reduce_mean(tf.square(model(x, training=True))), model.trainable_variables,
+                                   checkpoints="memory")
+
+    tf.function(profiled).get_concrete_function(x)
+    return {}
+
+
+def capped_conv_figures(steps: int = 10) -> dict:
+    """fit_to_budget of the two-convolution step and ``steps`` steps under a CONV_CAP_MIB cap, Eigen's
+    kernels, the pool held as one region: how its rounds read and whether the steps ran."""
+    from experiments.bench_hard_limit import pool_as_one_region
+
+    budget = CONV_CAP_MIB * MiB
+    pool_as_one_region(budget)
+    model, x = _two_convolutions()
+    try:
+        step = memsaving.fit_to_budget(_conv_train_step(model, budget), x, budget=budget)
+    except memsaving.BudgetError as error:
+        return {"error": str(error)}
+    for _ in range(steps):
+        step(x).numpy()
+    rounds = step.calibration.rounds
+    return {"rounds": [r.describe(budget) for r in rounds], "fits": step.calibration.fits,
+            "measured": [r.measured_peak for r in rounds], "room": rounds[0].room(budget), "budget": budget}
+
+
+def test_a_round_under_a_hard_limit_is_measured_with_its_room_held(tmp_path):
+    """Under a cap that is the budget, the allocator's peak reads near the cap whenever a large
+    request finds little free: it hands a chunk of up to twice the request whole (Eigen's 24.5 MiB
+    work buffer, in a 48 MiB pool).  Read as the step's need, that refused a budget the step runs
+    under.  Where running out of memory raises, the rounds run with the room they must leave held,
+    so the device's limit judges: the plan fits and trains, and each round's reading leaves the
+    room.  (The kernels are profiled first with no cap, as by an earlier run: profiled in the
+    nearly full pool, a temporary reads the whole chunk it was handed.)"""
+    settings = {"TF_ENABLE_ONEDNN_OPTS": "0", "MEMSAVING_CACHE_DIR": str(tmp_path)}
+    in_a_fresh_process("test_fit_budget", "conv_profiles", test_settings=False, environment=settings)
+    figures = in_a_fresh_process("test_fit_budget", "capped_conv_figures", test_settings=False,
+                                 environment={**settings, "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(CONV_CAP_MIB)})
+    assert "error" not in figures, figures
+    print("\n".join(figures["rounds"]))
+    assert figures["fits"]
+    assert all(m <= figures["budget"] - figures["room"] for m in figures["measured"]), figures
+
+
 def _buffer_address(variable) -> int:
     """Where the variable's buffer is: a CPU tensor's numpy view shares its memory."""
     value = variable.read_value()
