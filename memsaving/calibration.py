@@ -77,6 +77,42 @@ SLACK = 0.02
 next plan is made (beside what its measured ratio asks for)."""
 
 
+STEADY_CALLS = 10
+"""Steps in a row whose peak stays at or under the highest seen since the
+last calibration, after which the allocator's layout is taken as settled
+(:class:`PeakRise`): ``fit_to_budget``'s step stops copying the variables
+before each call, and both callers stop holding the room while measuring
+(:meth:`Calibrator.room_to_hold`)."""
+
+
+@dataclass
+class PeakRise:
+    """Whether the steps after a calibration still reach new peaks: the
+    highest peak since the calibration and how many steps in a row stayed at
+    or under it (:data:`STEADY_CALLS`).
+
+    Examples
+    --------
+    >>> rise = PeakRise()
+    >>> for peak in [100, 120] + [110] * STEADY_CALLS:
+    ...     rise.add(peak)
+    >>> rise.steady(), rise.highest
+    (True, 120)
+    """
+
+    highest: int = -1
+    calls_under: int = 0
+
+    def add(self, measured: int) -> None:
+        if measured > self.highest:
+            self.highest, self.calls_under = measured, 0
+        else:
+            self.calls_under += 1
+
+    def steady(self) -> bool:
+        return self.calls_under >= STEADY_CALLS
+
+
 def room_needed(figure: int, spread: int, fraction: float = HEADROOM) -> int:
     """Room for a step's run-to-run variation beside ``figure`` (bytes):
     ``fraction`` of it, or ``spread`` (the highest less the lowest peak of

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, 
 import numpy as np
 import tensorflow as tf
 
-from memsaving.calibration import HEADROOM, CalibrationRound, Calibrator, Next
+from memsaving.calibration import HEADROOM, CalibrationRound, Calibrator, Next, PeakRise
 from memsaving.planners.known_error import KNOWN_ERROR, needed_budget, safe_target
 from memsaving.errors import BudgetError, PeakMemoryUnavailableError, feasible_budget
 from memsaving.planners.budget import exact_bytes, format_bytes, parse_bytes
@@ -53,6 +53,7 @@ class _Target:
 
     target: Optional[int]
     or_lowest: bool = False
+    held: int = 0
     plans: List[Plan] = field(default_factory=list)
 
 
@@ -61,7 +62,7 @@ _ACTIVE: contextvars.ContextVar[Optional[_Target]] = contextvars.ContextVar("mem
 
 
 @contextlib.contextmanager
-def planning_target(target: Optional[int], or_lowest: bool = False) -> Iterator[_Target]:
+def planning_target(target: Optional[int], or_lowest: bool = False, held: int = 0) -> Iterator[_Target]:
     """While active, ``memsaving.gradients(..., budget=B)`` plans for ``target`` (bytes) instead of ``B``.
 
     With ``or_lowest``, when no plan fits the target as predicted the planner
@@ -69,11 +70,15 @@ def planning_target(target: Optional[int], or_lowest: bool = False) -> Iterator[
     (:func:`planning_or_lowest`): the calibration then decides whether that
     plan may run.  ``target`` None keeps the budget asked for.
 
+    ``held``: bytes the caller holds on the device while the step is traced
+    (:func:`held_room`) that the step will not find in use: the memory in use
+    before the step leaves them out (:func:`room_held_while_planning`).
+
     Yields the record that collects every plan ``memsaving.gradients`` makes
     inside (the calls happen when a ``tf.function`` is traced, so enter this
     around the trace, not around later calls of the traced function).
     """
-    record = _Target(None if target is None else int(target), bool(or_lowest))
+    record = _Target(None if target is None else int(target), bool(or_lowest), int(held))
     token = _ACTIVE.set(record)
     try:
         yield record
@@ -105,6 +110,14 @@ def calibrating() -> bool:
     """Whether a calibration chose the budget the planner plans for."""
     record = _ACTIVE.get()
     return record is not None and record.target is not None
+
+
+def room_held_while_planning() -> int:
+    """Bytes the active calibration holds on the device while the step is
+    traced (:func:`planning_target`'s ``held``): not the step's, so not
+    counted in the memory in use before it (0 outside a calibration)."""
+    record = _ACTIVE.get()
+    return 0 if record is None else record.held
 
 
 def planning_or_lowest() -> bool:
@@ -452,7 +465,7 @@ class WatchedStep:
     batch (rounds run real steps, as the first calibration did).
 
     **Out of memory after calibration.**  Until the step's peak has stopped
-    rising (:data:`STEADY_CALLS` calls in a row at or under the highest
+    rising (:data:`memsaving.calibration.STEADY_CALLS` calls in a row at or under the highest
     seen since the last calibration), each call first copies the variables
     the step reads or writes to host memory, and, where running out of
     memory raises (:attr:`memsaving.calibration.Calibrator.probes`), holds
@@ -495,7 +508,7 @@ class WatchedStep:
         self._verbose = verbose
         self._again = False  # the next call calibrates again first
         self._watching = True
-        self._rise = _PeakRise()
+        self._rise = PeakRise()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["function"], name)
@@ -538,7 +551,7 @@ class WatchedStep:
     def _calibrate_again(self, args: tuple, kwargs: dict) -> None:
         self.function = _calibrate_or_undo(self._python_fn, args, kwargs, self._calibrator, self.calibration,
                                            self._device, self._verbose, restore_variables=False)
-        self._rise = _PeakRise()
+        self._rise = PeakRise()
 
     def _after_out_of_memory(self, args: tuple, kwargs: dict) -> Any:
         """A call failed with an out-of-memory error, its variables already put
@@ -563,30 +576,6 @@ class WatchedStep:
         _say(self._verbose, f"memsaving.fit_to_budget: {calibrator.describe_steady(measured)}; the next step "
                             f"calibrates again from {format_bytes(calibrator.target)}")
         self._again = True
-
-
-STEADY_CALLS = 10
-"""Calls in a row whose peak stays at or under the highest seen since the
-last calibration, after which a :class:`WatchedStep` stops copying the
-variables before each call (the allocator's layout has settled)."""
-
-
-@dataclass
-class _PeakRise:
-    """Whether a watched step's peak is still rising: the highest peak since
-    the last calibration and how many calls in a row stayed at or under it."""
-
-    highest: int = -1
-    calls_under: int = 0
-
-    def add(self, measured: int) -> None:
-        if measured > self.highest:
-            self.highest, self.calls_under = measured, 0
-        else:
-            self.calls_under += 1
-
-    def steady(self) -> bool:
-        return self.calls_under >= STEADY_CALLS
 
 
 def _measured_round(step, args, kwargs, target: int, predicted: int, resident: int, budget: int,

@@ -51,9 +51,9 @@ import tensorflow as tf
 
 from memsaving.planners.budget import format_bytes, parse_bytes
 from memsaving.errors import BudgetError, PeakMemoryUnavailableError
-from memsaving.calibration import CalibrationRound, Calibrator, Next
-from memsaving.fit_budget import (MEASURED_STEPS, Calibration, calibration_error, planned_target, planning_target,
-                                  predicted_figures, recomputes_nothing, refusal, restore_values,
+from memsaving.calibration import CalibrationRound, Calibrator, Next, PeakRise
+from memsaving.fit_budget import (MEASURED_STEPS, Calibration, calibration_error, held_room, planned_target,
+                                  planning_target, predicted_figures, recomputes_nothing, refusal, restore_values,
                                   snapshot_values)
 from memsaving.api import gradients_and_plan
 from memsaving.offload import offload_step, step_model
@@ -629,8 +629,12 @@ class _Calibrator:
     best plan measured, or raise.  A new plan means a new train function,
     traced at the next step.  After calibration every step is still
     measured: one whose peak crept into the room the budget keeps free
-    sends the next trace lower (:meth:`_steady`).  A step that runs out of
-    memory, during calibration or after it, ends ``fit`` with
+    sends the next trace lower (:meth:`_steady`).  Where running out of
+    memory raises, each measured step runs with the room its plan must
+    leave held on the device, during calibration and until the chosen
+    plan's peak is steady (:meth:`_hold_room`); after that the step may use
+    the room, and only a peak over the budget sends the next trace lower.
+    A step that runs out of memory, during calibration or after it, ends ``fit`` with
     ``ResourceExhaustedError``; ``_fit`` then restores the variables as
     they were when ``fit`` began, and runs ``fit`` again on a lower plan
     (:meth:`out_of_memory`).
@@ -648,14 +652,17 @@ class _Calibrator:
         self.snapshot: Optional[_VariableSnapshot] = None  # the variables as the running fit began
         self.readmitted = False  # the trace being made plans a measured round's plan again
         self.probing = False  # the trace being measured plans what only a probe may run
+        self.rise = PeakRise()  # the chosen plan's steps: whether their peak still rises
+        self.room: Optional[contextlib.ExitStack] = None  # the room held during the step measured (held_room)
+        self.held = 0  # the bytes it holds
         self.start = time.perf_counter()
 
     @contextlib.contextmanager
     def planning(self):
         """Enter around the planner's call in a trace: plan for the target."""
         if self.engine.target is None:
-            self.engine.first_target(resident=bytes_in_use(self.device))
-        with planning_target(self.engine.target, or_lowest=True):
+            self.engine.first_target(resident=bytes_in_use(self.device) - self.held)
+        with planning_target(self.engine.target, or_lowest=True, held=self.held):
             yield
 
     def back_to_best(self, plan: Plan) -> bool:
@@ -676,10 +683,11 @@ class _Calibrator:
         best = engine.rounds[engine.best]
         engine.target = best.asked_for if best.asked_for is not None else best.planned_for
         self.final, self.readmitted = True, True
+        self.rise = PeakRise()
         self.report.chosen = engine.best
         _say(f"memsaving: {model.name}: the next plan may not run under the error measured; back to the plan "
              f"of round {engine.best + 1}", model.__dict__[_SETTINGS])
-        with planning_target(engine.target, or_lowest=True):
+        with planning_target(engine.target, or_lowest=True, held=self.held):
             yield
 
     def admit(self, model: keras.Model, plan: Plan) -> None:
@@ -714,18 +722,43 @@ class _Calibrator:
             warnings.warn(f"memsaving.keras: the budget cannot be checked against measured peaks: {error}",
                           stacklevel=3)
             return False
+        self._hold_room()
         return True
+
+    def _hold_room(self) -> None:
+        """Hold the room the step must leave while it runs (where running out
+        of memory raises: rounds, and the chosen plan's steps until their
+        peak is steady), as ``fit_to_budget`` does (:func:`memsaving.fit_budget.held_room`)."""
+        self.release_room()
+        if self.final:
+            nbytes = 0 if self.rise.steady() else self.engine.steady_room_to_hold()
+        else:
+            nbytes = self.engine.room_to_hold(bytes_in_use(self.device))
+        if nbytes > 0:
+            self.room = contextlib.ExitStack()
+            self.held = self.room.enter_context(held_room(nbytes, self.device))
+
+    def release_room(self) -> None:
+        """Free the room held for the step measured, if any."""
+        if self.room is not None:
+            self.room.close()
+        self.room, self.held = None, 0
 
     def end_step(self, model: keras.Model) -> None:
         """After a measured step: record a round once :data:`MEASURED_STEPS` steps of
         a new trace are measured (or at once when one is already over the budget)."""
-        measured = peak_bytes(self.device)
+        measured = peak_bytes(self.device) - self.held
+        self.release_room()
         if self.plans:  # this step traced: a new round starts (an unfinished one is dropped)
             self.pending = (self.plans, [measured])
             self.plans = []
         elif self.pending is not None:
             self.pending[1].append(measured)
         elif self.final and self.engine.best is not None:
+            steady = self.rise.steady()
+            self.rise.add(measured)
+            if steady and self.engine.probes and measured <= self.engine.budget:
+                return  # settled: the step may use its room (fit_to_budget's WatchedStep does the same)
             self._steady(model, measured)
             return
         else:
@@ -746,6 +779,7 @@ class _Calibrator:
 
     def out_of_memory(self, model: keras.Model) -> None:
         """A step ran out of memory: of the train function being measured, or of the chosen plan."""
+        self.release_room()
         if self.final and self.engine.best is not None and not self.plans and self.pending is None:
             self._steady(model, self.engine.budget, out_of_memory=True)
             return
@@ -795,6 +829,7 @@ class _Calibrator:
         report.chosen = engine.best
         report.seconds = time.perf_counter() - self.start
         self.final = True
+        self.rise = PeakRise()
         if engine.best == len(engine.rounds) - 1:
             report.plans = plans
             _say(f"{line}; calibrated", settings)
@@ -823,6 +858,9 @@ class _CalibrationCallback(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self.measuring:
             self.calibrator.end_step(self.model)
+
+    def on_train_end(self, logs=None):
+        self.calibrator.release_room()  # a step that failed (not out of memory) left it held
 
 
 def _add_calibration_callback(model: keras.Model, bound: inspect.BoundArguments) -> None:

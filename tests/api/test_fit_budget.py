@@ -17,6 +17,7 @@ import tensorflow as tf
 
 import memsaving
 import memsaving.keras as mkeras
+from memsaving.calibration import STEADY_CALLS
 from memsaving.fit_budget import HEADROOM, MEASURED_STEPS
 
 from helpers import in_a_fresh_process
@@ -222,9 +223,9 @@ def test_a_watched_step_stops_copying_the_variables_once_its_peak_is_steady(monk
     real_snapshot = fit_budget.snapshot_values
     monkeypatch.setattr(fit_budget, "snapshot_values", lambda variables: copies.append(1) or real_snapshot(variables))
     monkeypatch.setattr(fit_budget, "peak_bytes", lambda device=None: budget // 2)  # steady, well inside the budget
-    for _ in range(fit_budget.STEADY_CALLS + 5):
+    for _ in range(STEADY_CALLS + 5):
         step(mlp.x)
-    assert len(copies) == fit_budget.STEADY_CALLS + 1  # the first call sets the highest peak
+    assert len(copies) == STEADY_CALLS + 1  # the first call sets the highest peak
     step.function = _OutOfMemoryOnce(step.function, mlp.weights[0])
     with pytest.raises(tf.errors.ResourceExhaustedError):
         step(mlp.x)
