@@ -692,7 +692,7 @@ def _unsplit_plan(fwd, model, checkpoints, budget, options: Options, or_lowest: 
         return make_plan(model, chosen.checkpoint_ops, "budget", budget=target, keep_x_gradients=keep_x,
                          inner=chosen.inner, swapped=swapped, cost=options.cost_model() if swapped else None)
 
-    return fwd, fit_in_chunks(plan_at, budget_bytes, or_lowest)
+    return fwd, fit_in_chunks(plan_at, budget_bytes, model.resident_bytes, or_lowest)
 
 
 def _mode_plan(checkpoints, fwd, model, budget_bytes: int, keep_x: bool) -> Optional[Plan]:

@@ -33,7 +33,8 @@ whose chunks went over by a few bytes is not asked for again a few bytes
 lower."""
 
 
-def fit_in_chunks(plan_at: Callable[[int, bool], Plan], target: int, or_lowest: bool, tries: int = TRIES) -> Plan:
+def fit_in_chunks(plan_at: Callable[[int, bool], Plan], target: int, resident: int, or_lowest: bool,
+                  tries: int = TRIES) -> Plan:
     """The plan ``plan_at(target, or_lowest)`` makes, or a lower one, whose
     device peak (chunks included) fits ``target``.
 
@@ -41,11 +42,17 @@ def fit_in_chunks(plan_at: Callable[[int, bool], Plan], target: int, or_lowest: 
     ``BudgetError`` when nothing is predicted under ``t``, with ``lowest``
     True it returns the lowest plan it finds instead.  Lower targets are
     tried, each lower by what the last plan's chunks went over (at least
-    :data:`STEP_DOWN` of the room above the resident bytes, doubling), and
-    last the planner's lowest plan, whose chunks may fit where a plan
-    predicted higher does not.  When none fits, the one of lowest device
-    peak is returned if ``or_lowest``, else a ``BudgetError`` names the
-    budget it needs.
+    :data:`STEP_DOWN` of the room above the ``resident`` bytes, doubling),
+    and last the planner's lowest plan (``plan_at(resident, True)``, the
+    floor), whose chunks may fit where a plan predicted higher does not.
+    When none fits, the one of lowest device peak is returned if
+    ``or_lowest``, else a ``BudgetError`` names the budget the floor needs.
+
+    A target nothing is predicted under goes straight to the floor, and its
+    error names the floor's device peak too: the budget an error names is
+    passed back by callers, and the call at that budget judges the floor by
+    its chunks, so the figure must be the floor's in chunks, not its
+    predicted peak (else the budget passed back is refused again).
 
     Examples
     --------
@@ -55,37 +62,42 @@ def fit_in_chunks(plan_at: Callable[[int, bool], Plan], target: int, or_lowest: 
     >>> def plan_at(target, lowest):
     ...     peak = max(min(target, 1000), 600)
     ...     return Plan("budget", [], [], [], peak, 1200, 1.0, chunk_peak=int(peak * 1.2))
-    >>> plan = fit_in_chunks(plan_at, 960, False)
+    >>> plan = fit_in_chunks(plan_at, 960, 0, False)
     >>> plan.device_peak <= 960, plan.planned_for  # 960 less the 192 its first plan went over
     (True, 768)
-    >>> fit_in_chunks(plan_at, 700, True).device_peak  # nothing fits: the lowest
+    >>> fit_in_chunks(plan_at, 700, 0, True).device_peak  # nothing fits: the lowest
     720
     """
-    plan = plan_at(target, or_lowest)
-    plan.planned_for = target
-    if plan.device_peak <= target:
-        return plan
-    tried = [plan]
-    resident = plan.resident_bytes
-    lowered = target
-    for attempt in range(tries):
-        lowered -= max(plan.device_peak - target, int(STEP_DOWN * (target - resident)) << attempt)
-        if lowered <= resident:
-            break
-        try:
-            plan = plan_at(lowered, False)
-        except BudgetError:
-            break
-        plan.planned_for = lowered
+    tried = []
+    try:
+        plan = plan_at(target, or_lowest)
+    except BudgetError:
+        plan = None  # nothing is predicted under the target: only the floor is left to weigh
+    if plan is not None:
+        plan.planned_for = target
         if plan.device_peak <= target:
             return plan
         tried.append(plan)
+        lowered = target
+        for attempt in range(tries):
+            lowered -= max(plan.device_peak - target, int(STEP_DOWN * (target - resident)) << attempt)
+            if lowered <= resident:
+                break
+            try:
+                plan = plan_at(lowered, False)
+            except BudgetError:
+                break
+            plan.planned_for = lowered
+            if plan.device_peak <= target:
+                return plan
+            tried.append(plan)
     floor = plan_at(resident, True)  # nothing fits the resident bytes alone: the planner's lowest plan
     floor.planned_for = floor.predicted_peak
     if floor.device_peak <= target:
         return floor
-    lowest = min(tried + [floor], key=lambda p: p.device_peak)
     if or_lowest:
-        return lowest
-    raise no_plan_fits("checkpoint plan", target, feasible_budget(lowest.device_peak),
+        return min(tried + [floor], key=lambda p: p.device_peak)
+    # the floor's, though a plan tried may hold less in chunks: a call at this budget reaches the floor
+    # whatever it tries first, so the budget named is one that call keeps
+    raise no_plan_fits("checkpoint plan", target, feasible_budget(floor.device_peak),
                        " (predicted as the allocator holds it, in whole chunks)")

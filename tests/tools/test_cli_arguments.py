@@ -151,11 +151,13 @@ def test_saved_model_with_too_large_inputs_is_refused_before_loading(folder):
 
 def test_saved_model_too_big_is_refused_once_loaded(folder):
     """Its layers' sizes are known once it is loaded (TensorFlow's start-up
-    lines silenced): one error line after the loading line, in seconds,
-    before the step is traced and its ops profiled."""
+    lines silenced): one error line after the loading line, before the step
+    is traced and its ops profiled (which would print a "tracing and
+    planning" line first).  Not timed: loading TensorFlow and Keras alone
+    took 8 s on a loaded 2-core CI machine."""
     answer = run_command(folder, "plan", "model.keras", "--size", "100000000")
     errors = [line for line in answer.lines if line.startswith("memsaving plan:")]
     assert len(errors) == 1 and errors[0] == answer.lines[-1], answer.lines
     assert all(line.startswith("loading model.keras") for line in answer.lines[:-1]), answer.lines
     assert "a training step of model.keras at size 100000000 needs about" in errors[0]
-    assert answer.status == 2 and answer.seconds < ANSWER_SECONDS and answer.peak < PEAK_LIMIT, answer
+    assert answer.status == 2 and answer.peak < PEAK_LIMIT, answer
