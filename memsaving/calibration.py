@@ -400,7 +400,7 @@ class Calibrator:
         self.target = min(safe_target(budget, current.resident, self.ratio, HEADROOM), lower)
         return Next.RETRACE
 
-    def steady_step(self, measured_peak: int, out_of_memory: bool = False) -> Next:
+    def steady_step(self, measured_peak: int, out_of_memory: bool = False, settled: bool = False) -> Next:
         """Judge a training step of the chosen plan after calibration ended.
 
         A round is measured over a few steps; under a hard limit the
@@ -412,6 +412,12 @@ class Calibrator:
 
         * a step still under the budget less the chosen round's room:
           :attr:`Next.DONE`, nothing changes;
+        * a ``settled`` step (its peak steady before it, :class:`PeakRise`)
+          where running out of memory raises (:attr:`probes`): only a peak
+          over the budget itself counts.  The room was held while the plan
+          was measured and until it settled; from then on it is the step's
+          to use (near a device's limit the allocator hands chunks whole,
+          and the peak read grows into it), and running out would raise;
         * otherwise (or when it ran out of memory) the plan is judged again
           as a round of its own, its creep counted as spread (the room every
           later round must leave), the chosen round is dropped and the next
@@ -435,12 +441,20 @@ class Calibrator:
         <Next.RETRACE: 'retrace'>
         >>> c.target < 830, c.best, c.rounds[-1].spread
         (True, None, 80)
+
+        Where running out of memory raises, a settled step may use the room:
+
+        >>> c = Calibrator(budget=1000, probes=True)
+        >>> c.rounds, c.best = [CalibrationRound(850, 830, 880, resident=200, asked_for=900)], 0
+        >>> c.steady_step(960, settled=True), c.steady_step(960)
+        (<Next.DONE: 'done'>, <Next.RETRACE: 'retrace'>)
         """
         if self.best is None:
             raise ValueError("steady_step: no plan was chosen yet")
         budget = self.budget
         chosen = self.rounds[self.best]
-        if not out_of_memory and measured_peak <= budget - chosen.room(budget):
+        allowed = budget if settled and self.probes else budget - chosen.room(budget)
+        if not out_of_memory and measured_peak <= allowed:
             return Next.DONE
         measured = budget if out_of_memory else measured_peak
         current = replace(chosen, measured_peak=measured, out_of_memory=out_of_memory, steady=True,

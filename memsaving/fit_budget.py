@@ -537,11 +537,7 @@ class WatchedStep:
             restore_values(snapshot)
             return self._after_out_of_memory(args, kwargs)
         self._rise.add(measured)
-        if steady and self._calibrator.probes and measured <= self._calibrator.budget:
-            # settled, the step may use the room it kept, which is there for this; near a device's
-            # limit the peak reads chunks handed whole, and running out of memory would raise
-            return result
-        self._watch(measured)
+        self._watch(measured, settled=steady)
         return result
 
     def _variables(self, args: tuple, kwargs: dict) -> list:
@@ -567,9 +563,9 @@ class WatchedStep:
         self._calibrate_again(args, kwargs)
         return self(*args, **kwargs)
 
-    def _watch(self, measured: int) -> None:
+    def _watch(self, measured: int, settled: bool) -> None:
         calibrator = self._calibrator
-        decision = calibrator.steady_step(measured)
+        decision = calibrator.steady_step(measured, settled=settled)
         if decision is Next.DONE:
             return
         self.calibration.chosen = None

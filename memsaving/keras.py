@@ -755,11 +755,9 @@ class _Calibrator:
         elif self.pending is not None:
             self.pending[1].append(measured)
         elif self.final and self.engine.best is not None:
-            steady = self.rise.steady()
+            settled = self.rise.steady()
             self.rise.add(measured)
-            if steady and self.engine.probes and measured <= self.engine.budget:
-                return  # settled: the step may use its room (fit_to_budget's WatchedStep does the same)
-            self._steady(model, measured)
+            self._steady(model, measured, settled=settled)
             return
         else:
             self.measured_function = model.train_function  # nothing memsaving planned was traced
@@ -791,13 +789,13 @@ class _Calibrator:
         self._judge(model, plans, CalibrationRound(planned_target(plans, self.engine.target), predicted,
                                                    self.engine.budget, 0, resident, out_of_memory=True))
 
-    def _steady(self, model: keras.Model, measured: int, out_of_memory: bool = False) -> None:
+    def _steady(self, model: keras.Model, measured: int, out_of_memory: bool = False, settled: bool = False) -> None:
         """A step of the chosen plan after calibration, measured at ``measured``
         (:meth:`memsaving.calibration.Calibrator.steady_step`): a step whose
         peak crept into the room the budget must keep free, or that ran out
         of memory, sends the next trace lower."""
         engine, settings = self.engine, model.__dict__[_SETTINGS]
-        decision = engine.steady_step(measured, out_of_memory)
+        decision = engine.steady_step(measured, out_of_memory, settled)
         if decision is Next.DONE:
             return
         self.report.chosen = None

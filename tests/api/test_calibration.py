@@ -233,6 +233,25 @@ def test_a_later_step_that_creeps_into_the_room_sends_the_next_plan_lower():
     assert c.best == 2
 
 
+def test_a_settled_step_may_use_the_room_only_where_running_out_of_memory_raises():
+    """Once the peak is steady the room held while measuring is the step's to use, where an
+    out-of-memory error would raise (a GPU) and undo the step; where it may end the process, the
+    room is kept.  Either way a peak over the budget itself, or an out-of-memory step, is judged."""
+    creep_for = lambda c: BUDGET - c.rounds[0].room(BUDGET) + MiB  # under the budget, inside its room
+    c = _calibrated()
+    c.probes = True
+    assert c.steady_step(creep_for(c), settled=True) is Next.DONE
+    assert c.steady_step(creep_for(c)) is Next.RETRACE  # not settled yet: judged by the room
+    c = _calibrated()
+    c.probes = True
+    assert c.steady_step(BUDGET + 1, settled=True) is Next.RETRACE
+    c = _calibrated()
+    c.probes = True
+    assert c.steady_step(0, out_of_memory=True, settled=True) is Next.RETRACE
+    c = _calibrated()
+    assert c.steady_step(creep_for(c), settled=True) is Next.RETRACE  # no probes: the room is kept
+
+
 def test_a_later_step_that_runs_out_of_memory_sends_the_next_plan_lower():
     c = _calibrated()
     assert c.steady_step(0, out_of_memory=True) is Next.RETRACE
