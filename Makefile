@@ -16,8 +16,9 @@ install: $(BIN)/.installed
 demo: $(BIN)/.installed
 	$(BIN)/memsaving demo
 
+# one worker process per core (at most 4), each test file in one worker: half the wall time on 2 cores
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
 test-all: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -m ""

@@ -21,7 +21,7 @@ setup(
         "cpu": ["tensorflow-cpu==2.21.0"],
         "gpu": ["tensorflow[and-cuda]==2.21.0"],
         "plot": ["matplotlib>=3.7"],
-        "test": ["pytest>=8", "hypothesis>=6.100", "scipy>=1.10", "matplotlib>=3.7",
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "scipy>=1.10", "matplotlib>=3.7",
                  "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6.25"],
         # keras_hub backbones (GPT2, BERT) in experiments.bench_budget_promise.  keras-hub requires
         # tensorflow-text, which requires the full `tensorflow` distribution (same version as

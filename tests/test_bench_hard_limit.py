@@ -1,5 +1,7 @@
 """The hard-limit benchmark's GPU-like allocator (experiments.bench_hard_limit.pool_as_one_region)."""
 
+import pytest
+
 from helpers import in_a_fresh_process
 
 MiB = 2 ** 20
@@ -26,6 +28,7 @@ def large_request_after_small_ones(one_region: bool) -> dict:
     return {"reserved": reserved, "granted": True}
 
 
+@pytest.mark.slow  # 26-29 s: two capped processes, the benchmark's allocator modes compared
 def test_one_region_grants_what_growing_regions_split():
     environment = {"TF_CPU_BFC_MEM_LIMIT_IN_MB": str(CAP_MIB)}
     growing = in_a_fresh_process("test_bench_hard_limit", "large_request_after_small_ones", False,

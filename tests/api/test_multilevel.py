@@ -78,6 +78,7 @@ def multilevel_figures() -> dict:
     return {"predicted": predicted, "measured": measured_tight, "memory": measured_memory}
 
 
+@pytest.mark.slow  # 20 s: every single-level plan measured against the multi-level one (benchmark-like)
 def test_multilevel_plan_measured_below_every_single_level_plan():
     figures = in_a_fresh_process("test_multilevel", "multilevel_figures")
     predicted, measured_tight, measured_memory = figures["predicted"], figures["measured"], figures["memory"]

@@ -97,6 +97,7 @@ def grouped_net_peaks() -> dict:
     return figures
 
 
+@pytest.mark.slow  # 28-43 s: a prediction's accuracy, measured (benchmark-like)
 def test_plain_backprop_of_a_net_with_calls_is_predicted_with_what_it_holds():
     """Plain tf.gradients recomputes nothing, not even between the calls the
     rewrite always keeps; the prediction of plain backprop used to replay

@@ -393,6 +393,7 @@ def test_lowest_split_of_a_gpt_in_a_calibration_has_every_gradient(monkeypatch):
     assert not any(split and multilevel for split, multilevel in multilevel_asked)
 
 
+@pytest.mark.slow  # 64-106 s: a GPT's split model planned multi-level (opt-in) in a calibration
 def test_multilevel_plan_with_regions_as_inner_checkpoints_has_every_gradient(monkeypatch):
     """Multi-level plans asked for on a split model (and preferred to
     single-level ones): regions are anchors and inner checkpoints.  The
