@@ -819,9 +819,16 @@ def test_a_keras_step_out_of_memory_after_calibration_reruns_fit_on_a_lower_plan
     try:
         model.fit(x, y, batch_size=KERAS_BATCH, epochs=5, shuffle=False, verbose=0, callbacks=[OutOfMemoryOnce()])
     except memsaving.BudgetError as error:
-        assert OutOfMemoryOnce.on_lowest, f"a BudgetError though a lower plan existed: {error}"
-        assert "lowest plan ran out of memory after calibration" in str(error)
         assert int(model.optimizer.iterations.numpy()) == 0
+        if OutOfMemoryOnce.on_lowest:
+            assert "lowest plan ran out of memory after calibration" in str(error)
+            return
+        # The planner's plan for the lower target may be predicted no lower than the plan that ran
+        # out of memory (an MLP's plans lie within a few hundred KiB): then no lower plan existed.
+        failed = next(r for r in error.calibration.rounds if r.out_of_memory)
+        found = re.search(r"the lowest plan found is predicted at ([\d,]+) bytes", str(error))
+        assert found and int(found.group(1).replace(",", "")) >= failed.predicted_peak, \
+            f"a BudgetError though a lower plan existed: {error}"
         return
     rounds = mkeras.calibration_of(model).rounds
     _show("keras fit, a step after calibration out of memory", rounds, budget)
