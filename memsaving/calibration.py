@@ -498,10 +498,46 @@ class Calibrator:
 
     def smallest_measured_budget(self) -> Optional[int]:
         """A budget some measured round fits: its peak plus the room its
-        spread needs (None when nothing ran without running out of memory)."""
+        spread needs (None when nothing ran without running out of memory).
+
+        A plan predicted no higher that ran out of memory under the budget
+        (a probe that fit, then a later step of it that did not) says the
+        budget itself is too small: the figure is then what such a round,
+        its peak taken as the budget, needs (:meth:`lowest_ran_out`).
+        Before, the figure named the fitting round's peak alone, a budget
+        below the one just run out of.
+
+        Examples
+        --------
+        >>> c = Calibrator(budget=1000)
+        >>> fit = CalibrationRound(900, 950, 800, resident=500)
+        >>> c.rounds = [fit]
+        >>> c.smallest_measured_budget()
+        834
+        >>> c.rounds.append(replace(fit, measured_peak=1000, out_of_memory=True, steady=True))
+        >>> c.smallest_measured_budget(), c.lowest_ran_out()
+        (1056, True)
+        """
         measured = [r for r in self.rounds if not r.out_of_memory]
         if not measured:
             return None
         lowest = min(measured, key=lambda r: r.measured_peak)
-        step = lowest.measured_peak - lowest.resident
-        return max(lowest.resident + int(math.ceil(step / (1 - HEADROOM))), lowest.measured_peak + lowest.spread)
+        bounds = [lowest] + self._ran_out_no_higher(lowest)
+        return max(_fitting_budget(r) for r in bounds)
+
+    def lowest_ran_out(self) -> bool:
+        """Whether a round no higher than the lowest measured one ran out of
+        memory: :meth:`smallest_measured_budget` is then above the budget."""
+        measured = [r for r in self.rounds if not r.out_of_memory]
+        return bool(measured) and bool(self._ran_out_no_higher(min(measured, key=lambda r: r.measured_peak)))
+
+    def _ran_out_no_higher(self, lowest: CalibrationRound) -> List[CalibrationRound]:
+        return [r for r in self.rounds if r.out_of_memory and r.predicted_peak <= lowest.predicted_peak]
+
+
+def _fitting_budget(measured: CalibrationRound) -> int:
+    """The budget under which ``measured``'s peak leaves the room it needs:
+    the headroom of the step's room, or its spread when that is more (a
+    round that ran out of memory counts at its lower bound, the budget)."""
+    step = measured.measured_peak - measured.resident
+    return max(measured.resident + int(math.ceil(step / (1 - HEADROOM))), measured.measured_peak + measured.spread)

@@ -275,3 +275,22 @@ def test_the_lowest_plan_after_calibration_runs_on_unless_it_runs_out_of_memory(
 def test_steady_step_needs_a_chosen_plan():
     with pytest.raises(ValueError, match="no plan was chosen"):
         Calibrator(BUDGET).steady_step(BUDGET)
+
+
+def test_a_lowest_plan_out_of_memory_after_calibration_names_a_budget_above_this_one():
+    """A probe of the lowest plan fit (70 MiB of a 100 MiB budget), then a later step of it ran out
+    of memory: the smallest feasible budget is above the budget just run out of, and the error says
+    so (it named 76 MiB, the fitting round's peak plus its room, though 100 MiB had not sufficed)."""
+    from memsaving.fit_budget import calibration_error
+
+    c = Calibrator(BUDGET, probes=True)
+    target = c.first_target(RESIDENT)
+    probe = CalibrationRound(target, BUDGET - 20 * MiB, 70 * MiB, 0, RESIDENT, probe=True)
+    assert probe.lowest
+    c.record(probe)
+    assert c.best == 0
+    assert c.steady_step(BUDGET, out_of_memory=True) is Next.FAIL
+    error = calibration_error("test", BUDGET, c)
+    assert error.smallest_budget > BUDGET
+    assert error.smallest_budget - room_needed(error.smallest_budget - RESIDENT, 0) >= BUDGET
+    assert "at least" in str(error) and "ran out of memory under this budget" in str(error)

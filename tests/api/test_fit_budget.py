@@ -416,10 +416,13 @@ def capped_probe_figures(steps: int = 20) -> dict:
     try:
         step = memsaving.fit_to_budget(mlp.step(budget), mlp.x, budget=budget)
     except memsaving.BudgetError as error:
-        return {"error": str(error).splitlines()[0], "rounds": [r.probe for r in error.calibration.rounds]}
+        return {"error": str(error), "rounds": [r.probe for r in error.calibration.rounds]}
     tf.config.experimental.reset_memory_stats("CPU:0")
-    for _ in range(steps):
-        step(mlp.x).numpy()
+    try:
+        for _ in range(steps):
+            step(mlp.x).numpy()
+    except memsaving.BudgetError as error:  # the lowest plan ran out of memory at a later step, undone
+        return {"error": str(error), "rounds": [r.probe for r in error.calibration.rounds]}
     return {"probes": [r.probe for r in step.calibration.rounds], "budget": budget,
             "peak": int(tf.config.experimental.get_memory_info("CPU:0")["peak"])}
 
@@ -428,11 +431,22 @@ def test_a_probe_under_a_hard_memory_limit_trains_where_the_prior_refused():
     """With oneDNN off, the capped CPU raises ResourceExhaustedError as a GPU does, so a budget the
     prior refuses is probed: the lowest plan measures under it and trains 20 steps under the cap."""
     budget_mib = in_a_fresh_process("test_fit_budget", "probe_budget_figures", test_settings=False)["budget_mib"]
-    figures = in_a_fresh_process("test_fit_budget", "capped_probe_figures", test_settings=False,
-                                 environment={"TF_CPU_BFC_MEM_LIMIT_IN_MB": str(budget_mib),
-                                              "TF_ENABLE_ONEDNN_OPTS": "0"})
-    assert "error" not in figures, figures
-    assert figures["probes"][0] and figures["peak"] <= figures["budget"], figures
+    # With TensorFlow's default threads this step's peak moves by up to a third from run to run (5.1
+    # or 6.8 MiB under an 8 MiB cap, on an idle machine); on a loaded one the probe once measured over
+    # the room it must leave and was refused, as it should be.  A refused probe (or one whose later
+    # step ran out of memory and was undone: a BudgetError, nothing counted) gets a second process;
+    # every run must keep the promise, and one must train.
+    runs = []
+    for _ in range(2):
+        figures = in_a_fresh_process("test_fit_budget", "capped_probe_figures", test_settings=False,
+                                     environment={"TF_CPU_BFC_MEM_LIMIT_IN_MB": str(budget_mib),
+                                                  "TF_ENABLE_ONEDNN_OPTS": "0"})
+        runs.append(figures)
+        if "error" not in figures:
+            break
+        assert figures["rounds"][0] and "lowest plan" in figures["error"], figures  # a probe, then refused
+    assert "error" not in runs[-1], runs
+    assert runs[-1]["probes"][0] and runs[-1]["peak"] <= runs[-1]["budget"], runs
 
 
 CONV_CAP_MIB = 48
