@@ -558,7 +558,11 @@ def _within_known_error(error: BudgetError, budget: int, resident: int) -> Budge
     if lowest is None or lowest <= resident:
         return error
     return refusal("memsaving.gradients", budget, lowest, resident, 1 + KNOWN_ERROR, headroom=HEADROOM,
-                   how="budget= alone: nothing is measured, so the step is planned with room for it")
+                   how="budget= alone: nothing is measured, so the step is planned with room for it",
+                   otherwise="Or let the step be measured: memsaving.fit_to_budget (or, for Keras, "
+                             f"memsaving.keras.enable(model, budget=...)) replaces that {KNOWN_ERROR:.0%} with the error it "
+                             "measures, and where running out of memory raises (a GPU) it may try the lowest "
+                             "plan once.")
 
 
 def _in_use_before_the_step(collect: bool) -> int:

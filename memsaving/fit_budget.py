@@ -217,12 +217,14 @@ class Calibration:
 
 
 def refusal(what: str, budget: int, predicted: int, resident: int, ratio: float,
-            rounds: Sequence[CalibrationRound] = (), headroom: float = HEADROOM, how: str = "") -> BudgetError:
+            rounds: Sequence[CalibrationRound] = (), headroom: float = HEADROOM, how: str = "",
+            otherwise: str = "") -> BudgetError:
     """The BudgetError of a plan that may not run: predicted over ``budget``
     (less ``headroom``), or under it by less than the error ``ratio`` says
     its step memory may be off by.  Its ``smallest_budget`` is the budget
     that plan may run under, with the slack every smallest budget has for
-    the memory in use moving between traces (:func:`memsaving.errors.feasible_budget`)."""
+    the memory in use moving between traces (:func:`memsaving.errors.feasible_budget`).
+    ``otherwise``: a last sentence, another way out for the route refused."""
     needed = feasible_budget(needed_budget(predicted, resident, ratio, headroom))
     known = (f"the model's known error ({KNOWN_ERROR:.0%} of the step's memory{', ' + how if how else ''})"
              if not rounds else f"the error measured so far (x{ratio:.2f} of the step's predicted memory)")
@@ -232,7 +234,7 @@ def refusal(what: str, budget: int, predicted: int, resident: int, ratio: float,
              f"step; the smallest feasible budget found is {exact_bytes(needed)} (the budget that plan may run "
              f"under). {ran}"]
     lines += [f"  round {n}: {r.describe(budget)}" for n, r in enumerate(rounds, 1)]
-    lines.append("Raise the budget to at least that, or reduce the batch size.")
+    lines.append("Raise the budget to at least that, or reduce the batch size." + (f" {otherwise}" if otherwise else ""))
     error = BudgetError.carrying("\n".join(lines), needed)
     error.calibration = Calibration(budget=budget, rounds=list(rounds))
     return error

@@ -148,6 +148,8 @@ def test_infeasible_budget_states_the_smallest_which_then_fits():
             memsaving.gradients(loss, W, checkpoints="memory", budget=10)
         message = str(info.value)
         assert "smallest feasible budget" in message and "Raise the budget" in message
+        # budget= alone measures nothing: the error points to the routes that do
+        assert "Or let the step be measured: memsaving.fit_to_budget" in message
         smallest = info.value.smallest_budget
         assert smallest > 10 and f"found is {smallest:,} bytes" in message
         plan = memsaving.plan(loss, W, checkpoints="memory", budget=smallest)
