@@ -606,8 +606,10 @@ def write(cases: List[CaseResult], out: str, allocator: str = ALLOCATORS[0]) -> 
     table = Table(NAME, "Budgets under a hard memory limit (TF_CPU_BFC_MEM_LIMIT_IN_MB = budget)", COLUMNS)
     for case in cases:
         table.add(*row(case))
-    table.notes.append(f"capped workers' allocator: {allocator} (--allocator); oneDNN "
-                       f"{'off' if os.environ.get('TF_ENABLE_ONEDNN_OPTS') == '0' else 'on'} (--onednn)")
+    # unset, TensorFlow decides by the CPU: oneDNN where it has AVX-512, its own Eigen kernels otherwise
+    onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
+    table.notes.append(f"capped workers' allocator: {allocator} (--allocator); TF_ENABLE_ONEDNN_OPTS "
+                       f"{'unset (TensorFlow chooses by the CPU)' if onednn is None else '= ' + onednn} (--onednn)")
     table.notes.extend(summary(cases))
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"{NAME}.md"), "w", encoding="utf-8") as file:
