@@ -130,6 +130,8 @@ def _worker(route: str, name: str, quick: bool, budget: Optional[int]) -> dict:
             if mode == "plain":
                 captured["plan"] = memsaving.plan(loss, variables, checkpoints=[], batch_size=case.batch)
                 grads = tf.gradients(loss, variables)
+            elif mode == "plain_unplanned":
+                grads = tf.gradients(loss, variables)  # no memsaving at all: what training without a budget costs
             elif mode == "memory":
                 grads, captured["plan"] = memsaving.gradients_and_plan(loss, variables, checkpoints="memory",
                                                                        batch_size=case.batch)
@@ -216,6 +218,13 @@ def _probe(body_for, args, captured, result) -> dict:
     import memsaving
     import tensorflow as tf
 
+    # the process's first tf.function, as calibration is in the fit worker: its trace and first run,
+    # with nothing of memsaving in it (the "plain" step below also plans, and profiles kernels into
+    # the cache every later worker reads)
+    unplanned = tf.function(body_for("plain_unplanned"))
+    start = time.perf_counter()
+    unplanned(*args).numpy()
+    result["plain_first_call_seconds"] = time.perf_counter() - start
     for mode in ("plain", "memory"):
         step = tf.function(body_for(mode))
         start = time.perf_counter()
@@ -456,14 +465,15 @@ COLUMNS = ["model", "f", "budget MiB", "feasible", "plain (cap)", "memory (cap)"
 
 def calibration_beyond_first_call(case: CaseResult) -> Optional[float]:
     """``fit_to_budget``'s calibration wall time less the first call of the
-    plain step (its trace and first run, which every ``tf.function`` pays
-    before it runs at full speed, and which calibrating does too): what
-    calibrating costs beyond training with no budget.  Both are the first
-    ``tf.function`` call of a fresh process.  Seconds; None unless
-    calibration ran.  (Until the thirteenth session this subtracted the first
-    call of ``budget=`` alone, which is missing wherever that route refuses.)"""
+    plain step with nothing of memsaving in it (its trace and first run,
+    which every ``tf.function`` pays before it runs at full speed, and which
+    calibrating does too): what calibrating costs beyond training with no
+    budget.  Both are the first ``tf.function`` call of a fresh process.
+    Seconds; None unless calibration ran.  (Until the thirteenth session this
+    subtracted the first call of ``budget=`` alone, which is missing wherever
+    that route refuses.)"""
     calibration = case.routes.get("fit", {}).get("calibration_seconds")
-    first = case.routes.get("probe", {}).get("plain", {}).get("first_call_seconds")
+    first = case.routes.get("probe", {}).get("plain_first_call_seconds")
     return None if calibration is None or first is None else calibration - first
 
 
@@ -562,6 +572,32 @@ def summary(cases: List[CaseResult]) -> List[str]:
     return lines
 
 
+def first_calls_again(path: str, print_line=print) -> List[float]:
+    """For a sweep's ``hard_limit.json`` written before the probe worker timed
+    an unplanned plain first call: time it now, one probe per model, and
+    print each calibration beyond it in the sweep's plain steps.  A mixed
+    figure (the calibrations from the sweep, the first calls from this
+    run); returns the figures."""
+    with open(path, encoding="utf-8") as file:
+        cases = json.load(file)
+    firsts: Dict[str, float] = {}
+    beyond = []
+    for case in cases:
+        calibration = case["routes"].get("fit", {}).get("calibration_seconds")
+        if not calibration:
+            continue
+        name = case["model"]
+        if name not in firsts:
+            firsts[name] = run_worker("probe", name, False)["plain_first_call_seconds"]
+        plain_seconds = case["routes"]["probe"]["plain"]["seconds"]
+        beyond.append((calibration - firsts[name]) / plain_seconds)
+        print_line(f"{name} {case['fraction']}: calibration {calibration:.1f} s, unplanned plain first call "
+                   f"{firsts[name]:.1f} s, plain step {plain_seconds:.3f} s: beyond {beyond[-1]:.0f} plain steps")
+    if beyond:
+        print_line(f"median {statistics.median(beyond):.0f} plain steps ({min(beyond):.0f}-{max(beyond):.0f})")
+    return beyond
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=None, help="comma-separated (default: all)")
@@ -576,7 +612,13 @@ def main(argv=None) -> None:
                              "raises ResourceExhaustedError as a GPU's does (default: TensorFlow's, on)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--first-calls-again", metavar="JSON", default=None,
+                        help="a sweep's hard_limit.json from before the unplanned first call was timed: "
+                             "time it now and print the calibrations beyond it")
     args = parser.parse_args(argv)
+    if args.first_calls_again:
+        first_calls_again(args.first_calls_again)
+        return
     if args.worker:
         print("RESULT " + json.dumps(_worker(args.worker, args.models, args.quick, args.budget or None)), flush=True)
         return
