@@ -518,20 +518,24 @@ class Calibrator:
         >>> c.smallest_measured_budget(), c.lowest_ran_out()
         (1056, True)
         """
-        measured = [r for r in self.rounds if not r.out_of_memory]
-        if not measured:
+        lowest = self._lowest_measured()
+        if lowest is None:
             return None
-        lowest = min(measured, key=lambda r: r.measured_peak)
-        bounds = [lowest] + self._ran_out_no_higher(lowest)
-        return max(_fitting_budget(r) for r in bounds)
+        return max(_fitting_budget(r) for r in [lowest] + self._ran_out_no_higher(lowest))
 
     def lowest_ran_out(self) -> bool:
         """Whether a round no higher than the lowest measured one ran out of
         memory: :meth:`smallest_measured_budget` is then above the budget."""
+        lowest = self._lowest_measured()
+        return lowest is not None and bool(self._ran_out_no_higher(lowest))
+
+    def _lowest_measured(self) -> Optional[CalibrationRound]:
+        """The round of lowest peak among those that did not run out of memory."""
         measured = [r for r in self.rounds if not r.out_of_memory]
-        return bool(measured) and bool(self._ran_out_no_higher(min(measured, key=lambda r: r.measured_peak)))
+        return min(measured, key=lambda r: r.measured_peak) if measured else None
 
     def _ran_out_no_higher(self, lowest: CalibrationRound) -> List[CalibrationRound]:
+        """The rounds that ran out of memory with a plan predicted no higher than ``lowest``'s."""
         return [r for r in self.rounds if r.out_of_memory and r.predicted_peak <= lowest.predicted_peak]
 
 

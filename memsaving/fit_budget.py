@@ -250,7 +250,7 @@ def calibration_error(what: str, budget: int, calibrator: Calibrator) -> BudgetE
     smallest = calibrator.smallest_measured_budget()
     if smallest is not None and calibrator.lowest_ran_out():
         lines.append(f"The smallest feasible budget is at least {exact_bytes(smallest)}: the lowest plan measured "
-                     f"ran out of memory under this budget, so it needs this budget plus the room a step keeps "
+                     "ran out of memory under this budget, so it needs this budget plus the room a step keeps "
                      "free. Raise the budget to at least that, or reduce the batch size.")
     elif smallest is not None:
         lines.append(f"The smallest feasible budget is {exact_bytes(smallest)}: the lowest peak measured, plus "
