@@ -575,24 +575,24 @@ def summary(cases: List[CaseResult]) -> List[str]:
 def first_calls_again(path: str, print_line=print) -> List[float]:
     """For a sweep's ``hard_limit.json`` written before the probe worker timed
     an unplanned plain first call: time it now, one probe per model, and
-    print each calibration beyond it in the sweep's plain steps.  A mixed
-    figure (the calibrations from the sweep, the first calls from this
-    run); returns the figures."""
+    print each calibration beyond it (:func:`calibration_beyond_first_call`)
+    in the sweep's plain steps.  A mixed figure (the calibrations from the
+    sweep, the first calls from this run); returns the figures."""
     with open(path, encoding="utf-8") as file:
-        cases = json.load(file)
+        cases = [CaseResult(**case) for case in json.load(file)]
     firsts: Dict[str, float] = {}
     beyond = []
     for case in cases:
-        calibration = case["routes"].get("fit", {}).get("calibration_seconds")
-        if not calibration:
+        if not case.routes.get("fit", {}).get("calibration_seconds"):
             continue
-        name = case["model"]
-        if name not in firsts:
-            firsts[name] = run_worker("probe", name, False)["plain_first_call_seconds"]
-        plain_seconds = case["routes"]["probe"]["plain"]["seconds"]
-        beyond.append((calibration - firsts[name]) / plain_seconds)
-        print_line(f"{name} {case['fraction']}: calibration {calibration:.1f} s, unplanned plain first call "
-                   f"{firsts[name]:.1f} s, plain step {plain_seconds:.3f} s: beyond {beyond[-1]:.0f} plain steps")
+        if case.model not in firsts:
+            firsts[case.model] = run_worker("probe", case.model, False)["plain_first_call_seconds"]
+        probe = case.routes["probe"]
+        probe["plain_first_call_seconds"] = firsts[case.model]
+        beyond.append(calibration_beyond_first_call(case) / probe["plain"]["seconds"])
+        print_line(f"{case.model} {case.fraction}: calibration {case.routes['fit']['calibration_seconds']:.1f} s, "
+                   f"unplanned plain first call {firsts[case.model]:.1f} s, plain step {probe['plain']['seconds']:.3f} "
+                   f"s: beyond {beyond[-1]:.0f} plain steps")
     if beyond:
         print_line(f"median {statistics.median(beyond):.0f} plain steps ({min(beyond):.0f}-{max(beyond):.0f})")
     return beyond

@@ -415,13 +415,10 @@ def capped_probe_figures(steps: int = 20) -> dict:
     mlp = MLP(seed=5, unseen_copies=0)
     try:
         step = memsaving.fit_to_budget(mlp.step(budget), mlp.x, budget=budget)
-    except memsaving.BudgetError as error:
-        return {"error": str(error), "rounds": [r.probe for r in error.calibration.rounds]}
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    try:
+        tf.config.experimental.reset_memory_stats("CPU:0")
         for _ in range(steps):
             step(mlp.x).numpy()
-    except memsaving.BudgetError as error:  # the lowest plan ran out of memory at a later step, undone
+    except memsaving.BudgetError as error:  # refused, or the lowest plan ran out of memory at a later step, undone
         return {"error": str(error), "rounds": [r.probe for r in error.calibration.rounds]}
     return {"probes": [r.probe for r in step.calibration.rounds], "budget": budget,
             "peak": int(tf.config.experimental.get_memory_info("CPU:0")["peak"])}
