@@ -3,12 +3,12 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: demo test test-all bench install clean
+.PHONY: demo test test-all bench lint docs install clean
 
-$(BIN)/.installed: setup.py
+$(BIN)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[cpu,test]'
+	$(BIN)/python -m pip install --quiet -e '.[cpu,test,docs,lint]'
 	touch $@
 
 install: $(BIN)/.installed
@@ -26,5 +26,13 @@ test-all: $(BIN)/.installed
 bench: $(BIN)/.installed
 	$(BIN)/python -m experiments.bench_rewrite
 
+# ruff on the whole repository, mypy on the TensorFlow-free layers (both configured in pyproject.toml)
+lint: $(BIN)/.installed
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m mypy
+
+docs: $(BIN)/.installed
+	$(BIN)/python -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info site

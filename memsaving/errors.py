@@ -1,7 +1,7 @@
 """Exceptions raised by memsaving, each with a message that says what to do."""
 
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, cast
 
 IN_USE_SLACK = 0.005
 """The fraction of the lowest predicted peak a BudgetError adds to it
@@ -25,7 +25,10 @@ class MemsavingError(Exception):
     # AutoGraph re-raises errors from inside tf.function as a generic
     # StagingError unless the class is constructed like Exception; keeping
     # Exception's __init__ lets users catch memsaving's own types there.
-    __init__ = Exception.__init__
+    if TYPE_CHECKING:  # the same signature, for mypy (which makes isinstance() of the assigned one Any)
+        def __init__(self, *args: object) -> None: ...
+    else:
+        __init__ = Exception.__init__
 
 
 class CheckpointError(MemsavingError, ValueError):
@@ -85,7 +88,7 @@ class BudgetError(MemsavingError, ValueError):
         figure from the original, its ``__context__``."""
         error = self
         while error._smallest_budget is None and _autograph_copy(error):
-            error = error.__context__
+            error = cast(BudgetError, error.__context__)  # _autograph_copy checked it is one
         return error._smallest_budget
 
 

@@ -36,13 +36,15 @@ import heapq
 import os
 from collections.abc import Hashable
 from contextlib import contextmanager
+from collections.abc import Sequence
+from typing import Any, cast
 
 import networkx as nx
 import numpy as np
 
 from .decomposition import TreeDecomposition
 
-compiled = None
+compiled: Any = None
 """The compiled inner loops (:mod:`treedecomp._compiled`), or None.
 
 Built from C when the package is installed (``pip install -e .`` needs a C
@@ -55,7 +57,7 @@ Python code.
 """
 if os.environ.get("TREEDECOMP_PURE_PYTHON", "") in ("", "0"):
     try:
-        import treedecomp._compiled as compiled
+        import treedecomp._compiled as compiled  # type: ignore[no-redef]  # rebinds the name declared above
     except ImportError:
         compiled = None
 
@@ -90,7 +92,7 @@ def index_graph(G: nx.Graph) -> tuple[list[Hashable], list[set[int]]]:
     index = {v: i for i, v in enumerate(nodes)}
     if not G.is_directed():
         return nodes, integer_sets(G.adj.values(), index)
-    adj = [set() for _ in nodes]
+    adj: list[set[int]] = [set() for _ in nodes]
     for u, v in G.edges():
         if u != v:
             iu = index[u]
@@ -223,11 +225,11 @@ class EliminationState:
         "adj", "deg", "t", "alive", "rank", "weight", "heap", "order", "higher", "width", "remaining", "stamp"
     )
 
-    def __init__(self, adj: list[set[int]], rank=None):
+    def __init__(self, adj: list[set[int]], rank: Sequence[int] | None = None):
         n = len(adj)
         self.adj = [set(a) for a in adj]
         self.deg = [len(a) for a in self.adj]
-        self.t: list[int] | None = None
+        self.t: list[int] | None = None  # set before a min-fill phase reads it
         self.alive = [True] * n
         self.rank = range(n) if rank is None else rank
         self.weight: list = [1] * n  # min-fill: a vertex's fill-in is multiplied by its weight
@@ -468,13 +470,13 @@ def eliminate_min_fill(
 
 def min_fill_heap(s: EliminationState) -> list[tuple]:
     """A heap of ``(weighted fill-in, degree, rank, vertex)`` over the live vertices."""
-    deg, t, rank, weight = s.deg, s.t, s.rank, s.weight
+    deg, t, rank, weight = s.deg, cast("list[int]", s.t), s.rank, s.weight  # t: set for min-fill
     heap = [((deg[v] * (deg[v] - 1) // 2 - t[v]) * weight[v], deg[v], rank[v], v) for v in range(len(deg)) if s.alive[v]]
     heapq.heapify(heap)
     return heap
 
 
-def compiled_min_fill(adj, rank, weight, abort_at, stop, index=None) -> tuple[str, EliminationState | tuple]:
+def compiled_min_fill(adj, rank, weight, abort_at, stop, index=None) -> tuple[str, Any]:
     """Run the set phase in :mod:`treedecomp._compiled`.
 
     ``adj[v]`` holds ``v``'s neighbours as ints, or as labels when ``index``
@@ -515,7 +517,8 @@ def min_fill_set_phase(s: EliminationState, abort_at, stop) -> str:
     more: continue with :func:`min_fill_dense_phase`; that vertex is still
     on the heap).
     """
-    adj, deg, t, alive, rank, weight, heap = s.adj, s.deg, s.t, s.alive, s.rank, s.weight, s.heap
+    # t: set before the min-fill phases
+    adj, deg, t, alive, rank, weight, heap = s.adj, s.deg, cast("list[int]", s.t), s.alive, s.rank, s.weight, s.heap
     higher = s.higher
     pop = heapq.heappop
     push = heapq.heappush
@@ -599,9 +602,9 @@ def min_fill_dense_phase(s: EliminationState, abort_at, stop) -> str:
     fill edges.
     """
     glob, loc, A = to_bitsets(s.adj, s.alive)
-    s.adj = None  # the bitsets are the adjacency from now on
+    s.adj = None  # type: ignore[assignment]  # the bitsets are the adjacency from now on (nothing reads it)
     nbits = len(glob)
-    deg, t, alive, rank, weight, heap = s.deg, s.t, s.alive, s.rank, s.weight, s.heap
+    deg, t, alive, rank, weight, heap = s.deg, cast("list[int]", s.t), s.alive, s.rank, s.weight, s.heap  # t: set
     higher = s.higher
     pop = heapq.heappop
     push = heapq.heappush
@@ -677,7 +680,9 @@ def min_fill_dense_phase(s: EliminationState, abort_at, stop) -> str:
     return status
 
 
-def eliminate_min_degree(adj: list[set[int]], rank: list[int] | None = None, abort_at: int | None = None, stop=None):
+def eliminate_min_degree(
+    adj: list[set[int]], rank: Sequence[int] | None = None, abort_at: int | None = None, stop=None,
+):
     """Greedy minimum-degree elimination; same contract as :func:`eliminate_min_fill`.
 
     The next vertex is one of least current degree.  Ties go first-in,
@@ -755,7 +760,7 @@ def min_degree_dense_phase(s: EliminationState, abort_at, stop) -> str:
     deg = s.deg
     for v in glob:
         deg[v] = len(s.adj[v])
-    s.adj = None
+    s.adj = None  # type: ignore[assignment]  # freed: the bitsets are the adjacency from now on
     alive, heap = s.alive, s.heap
     higher = s.higher
     pop = heapq.heappop
@@ -828,6 +833,7 @@ def build_decomposition(nodes: list, order: list[int], higher: list, tail: list[
     bags are chained together so that a disconnected graph still gets one
     tree.
     """
+    bags: list[frozenset]
     if compiled is not None:
         bags, edges = compiled.build_decomposition(nodes, order, higher, tail)
         return TreeDecomposition(bags, edges)
@@ -841,7 +847,7 @@ def build_decomposition(nodes: list, order: list[int], higher: list, tail: list[
     for v in tail:
         pos[v] = big
     tail_set = set(tail)
-    bags: list[frozenset] = []
+    bags = []
     node_of = [-1] * n
     absorbed = [-1] * n
     parent = [-1] * n

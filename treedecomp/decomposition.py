@@ -25,7 +25,7 @@ lists these separators together with the two sides.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from typing import Any
 
 import networkx as nx
@@ -155,7 +155,7 @@ class TreeDecomposition:
                 raise ValueError(f"tree edge {e!r} refers to a bag index outside 0..{nb - 1}")
             checked.append((i, j))
         self._edges: tuple[tuple[int, int], ...] = tuple(checked)
-        self._adj = None
+        self._adj: list[list[int]] | None = None  # each bag's tree neighbours, made when first asked
 
     # ------------------------------------------------------------------ basics
     @property
@@ -189,7 +189,8 @@ class TreeDecomposition:
         norm = lambda es: sorted((min(e), max(e)) for e in es)  # noqa: E731
         return self._bags == other._bags and norm(self._edges) == norm(other._edges)
 
-    __hash__ = None  # mutable-looking container semantics; not hashable
+    # mutable-looking container semantics; not hashable (the ignore: object's __hash__ is a method)
+    __hash__ = None  # type: ignore[assignment]
 
     def neighbors(self, i: int) -> list[int]:
         """Tree neighbours of bag ``i``."""
@@ -197,7 +198,7 @@ class TreeDecomposition:
 
     def _adjacency(self) -> list[list[int]]:
         if self._adj is None:
-            adj = [[] for _ in self._bags]
+            adj: list[list[int]] = [[] for _ in self._bags]
             for i, j in self._edges:
                 adj[i].append(j)
                 adj[j].append(i)
@@ -208,7 +209,7 @@ class TreeDecomposition:
         """All vertices occurring in some bag."""
         return frozenset().union(*self._bags)
 
-    def relabel(self, mapping: Mapping | Any) -> "TreeDecomposition":
+    def relabel(self, mapping: Mapping | Callable[[Any], Hashable]) -> "TreeDecomposition":
         """Return a copy with every vertex ``v`` replaced by ``mapping[v]``.
 
         ``mapping`` may be a mapping or a callable.
@@ -305,7 +306,7 @@ class TreeDecomposition:
         bags with equal contents then collapse into one node, so this form
         is only faithful when all bags differ.
         """
-        T = nx.Graph()
+        T: nx.Graph[Hashable] = nx.Graph()  # nodes: bag indices, or the bags themselves
         if bag_nodes:
             T.add_nodes_from(self._bags)
             T.add_edges_from((self._bags[i], self._bags[j]) for i, j in self._edges)
@@ -342,7 +343,7 @@ class TreeDecomposition:
         if nb <= 1:
             return TreeDecomposition(self._bags, self._edges)
         bags = list(self._bags)
-        nbrs = [set() for _ in range(nb)]
+        nbrs: list[set[int]] = [set() for _ in range(nb)]
         for i, j in self._edges:
             if i != j:
                 nbrs[i].add(j)
@@ -367,7 +368,7 @@ class TreeDecomposition:
                     work.append(keep)
                     break
         new_index = {}
-        new_bags = []
+        new_bags: list[frozenset] = []
         for i in range(nb):
             if alive[i]:
                 new_index[i] = len(new_bags)

@@ -36,7 +36,7 @@ def training_graph(forward: nx.DiGraph) -> nx.Graph:
       feeds ``dout(x)`` -- or, for a variable ``x``, an ``apply(x)`` update
       op that also reads ``x``.
     """
-    G = nx.Graph()
+    G: nx.Graph[int] = nx.Graph()
     label: dict = {}
 
     def node(key) -> int:
@@ -93,7 +93,7 @@ def resnet_like(blocks: int, ops_per_block: int = 6, seed: int | None = None) ->
     own weighted projection op, as in downsampling blocks.
     """
     rng = random.Random(seed)
-    F = nx.DiGraph()
+    F: nx.DiGraph[int] = nx.DiGraph()
     x = _op(F, [])
     x = _op(F, [x], weight=True)
     for _ in range(blocks):
@@ -114,7 +114,7 @@ def towers(k: int, length: int, merge_every: int = 0) -> nx.DiGraph:
     The towers are concatenated at the end and, if ``merge_every`` > 0,
     also exchange their states every ``merge_every`` ops (Inception-like).
     """
-    F = nx.DiGraph()
+    F: nx.DiGraph[int] = nx.DiGraph()
     src = _op(F, [])
     heads = [src] * k
     for step in range(1, length + 1):
@@ -133,7 +133,7 @@ def unet_like(depth: int, ops_per_level: int = 3) -> nx.DiGraph:
     level ``i`` of the decoder), so the width does not grow with ``depth``;
     the long skips make the separators long-range, not large.
     """
-    F = nx.DiGraph()
+    F: nx.DiGraph[int] = nx.DiGraph()
     x = _op(F, [])
     skips = []
     for _ in range(depth):

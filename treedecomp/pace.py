@@ -26,7 +26,7 @@ import io
 import lzma
 import os
 from collections.abc import Hashable, Iterable
-from typing import IO
+from typing import IO, cast
 
 import networkx as nx
 
@@ -64,7 +64,7 @@ def _ints(tokens: list[str], source: str, lineno: int, what: str) -> list[int]:
 
 def parse_gr(lines: Iterable[str], source: str = "<gr>") -> nx.Graph:
     """Parse ``.gr`` text (an iterable of lines) into a graph on vertices 1..N."""
-    G = None
+    G: nx.Graph[int] | None = None
     declared_edges = 0
     edges_seen = 0
     p_line = None
@@ -216,7 +216,7 @@ def parse_td(lines: Iterable[str], source: str = "<td>") -> TreeDecomposition:
     missing = [i + 1 for i, b in enumerate(bags) if b is None]
     if missing:
         raise PaceFormatError(source, s_line, f"bags declared but not given: {missing[:10]}")
-    td = TreeDecomposition(bags, edges)
+    td = TreeDecomposition(cast("list[list[int]]", bags), edges)  # none is missing
     if max((len(b) for b in td.bags), default=0) != header[1]:
         raise PaceFormatError(
             source, s_line, f"'s' line says the largest bag has {header[1]} vertices, the bags say {td.width + 1}"

@@ -8,7 +8,7 @@ All work on op indices of the :class:`~memsaving.model.graph.GraphModel`.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import networkx as nx
 import numpy as np
@@ -40,7 +40,7 @@ def activation_digraph(model: GraphModel) -> Tuple[nx.DiGraph, List[int]]:
     Edges follow every data input (an integer shape tensor read far
     downstream also forces recomputation to reach back).
     """
-    graph = nx.DiGraph()
+    graph: nx.DiGraph[int] = nx.DiGraph()
     params = parameter_ops(model)
     order = [i for i, op in enumerate(model.ops) if op.forward and i not in params]
     members = set(order)
@@ -111,7 +111,7 @@ def separator_chain(model: GraphModel, max_vertices: int = 200_000,
     sinks = {n for n in graph if graph.out_degree(n) == 0}
     td = treedecomp.min_fill(graph.to_undirected(as_view=False))
     prefix_cache = {}
-    cuts = {}
+    cuts: Dict[Tuple[int, ...], int] = {}  # cut -> bytes on its input side
     total_bytes = sum(graph.nodes[n]["bytes"] for n in graph)
     for sep in td.separators():
         members = sep.separator
@@ -193,7 +193,7 @@ def level_cuts(model: GraphModel, max_size: int = 64,
 def _depth_order(graph: nx.DiGraph, order: Sequence[int]) -> Tuple[dict, List[int]]:
     """Each op's depth (longest path from a source) and the ops sorted by
     depth, ties in ``order``."""
-    depth = {}
+    depth: Dict[int, int] = {}
     for n in order:
         depth[n] = max((depth[p] + 1 for p in graph.predecessors(n)), default=0)
     rank = {n: k for k, n in enumerate(order)}
@@ -224,7 +224,7 @@ def memory_candidates(model: GraphModel) -> List[Tuple[List[int], int]]:
     """
     activations = activation_digraph(model)
     through = _bytes_through(*activations)
-    merged = {}
+    merged: Dict[Tuple[int, ...], int] = {}  # cut -> activation bytes up to it
     found = [[i] for i in articulation(model, activations)]
     found += [cut for cut, _ in separator_chain(model, activations=activations)]
     found += [cut for cut, _ in level_cuts(model, activations=activations)]

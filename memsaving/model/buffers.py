@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain, compress, count as itertools_count, repeat
 from operator import attrgetter, is_, itemgetter
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Set, Tuple, cast
 
 import numpy as np
 
@@ -77,7 +77,7 @@ def on_buffers(kernel: Action, reads: List[Key], writes: List[Tuple[Key, int]],
                   results, kernel.temp, kernel.seconds)
 
 
-def donations(actions: Sequence[Action], last_read: Dict[Key, int], pinned: Set[Key] = frozenset(),
+def donations(actions: Sequence[Action], last_read: Dict[Key, int], pinned: AbstractSet[Key] = frozenset(),
               last_end: Optional[Dict[Key, float]] = None,
               finished: Optional[Sequence[float]] = None,
               size: Optional[Dict[Key, int]] = None) -> Dict[Tuple[int, Key], Key]:
@@ -99,8 +99,9 @@ def donations(actions: Sequence[Action], last_read: Dict[Key, int], pinned: Set[
     if last_end is not None:
         timing = (buffers.per_buffer(last_end, np.inf, float), np.asarray(finished, dtype=float))
     given: Dict[Tuple[int, Key], Key] = {}
+    reads, write_keys = cast(List[Key], buffers.reads), cast(List[Key], buffers.write_keys)  # rows of actions: not None
     for taker, write, donor in zip(*(part.tolist() for part in buffers.handovers(last, sizes, pinned, timing))):
-        given[taker, buffers.write_keys[write]] = buffers.reads[donor]
+        given[taker, write_keys[write]] = reads[donor]
     return given
 
 
@@ -130,19 +131,20 @@ class BufferRows:
         self.actions: Optional[Sequence[Action]] = actions
         """The actions (None in :meth:`packed` rows)."""
         self.count = len(actions)
-        if prefix is not None and not _starts_with(actions, prefix.actions):
+        if prefix is not None and not _starts_with(actions, cast(Sequence[Action], prefix.actions)):  # not packed
             prefix = None
         known = prefix.count if prefix is not None else 0
         # a key's number: the row of its first write or read (numbers have gaps)
         self.number: Dict[Key, int] = dict(prefix.number) if prefix is not None else {}
         first = prefix.numbers if prefix is not None else 0
         rows = _Rows(actions[known:], self.number, first, known)
-        self.numbers = first + rows.numbered
+        self.numbers: int = first + rows.numbered
         reads, write_keys = rows.reads, rows.write_keys
         if prefix is not None:
             for name in _ROW_ARRAYS:
                 setattr(rows, name, np.concatenate([getattr(prefix, name), getattr(rows, name)]))
-            reads, write_keys = prefix.reads + reads, prefix.write_keys + write_keys
+            # a prefix of the same actions is not packed: it has its keys
+            reads, write_keys = cast(List[Key], prefix.reads) + reads, cast(List[Key], prefix.write_keys) + write_keys
         self.reads: Optional[List[Key]] = reads
         """Each read row's key (None in :meth:`packed` rows)."""
         self.write_keys: Optional[List[Key]] = write_keys
@@ -184,20 +186,20 @@ class BufferRows:
         sizes[ids] = self.write_bytes[::-1][last_rows]
         return sizes
 
-    def per_buffer(self, values: Dict[Key, float], default: float, dtype: type = np.intp) -> np.ndarray:
+    def per_buffer(self, values: Mapping[Key, float], default: float, dtype: type = np.intp) -> np.ndarray:
         """``values`` (by key) as an array by buffer number."""
-        found = np.full(self.numbers, default, dtype)
+        found: np.ndarray = np.full(self.numbers, default, dtype)
         found[np.fromiter(self.number.values(), np.intp, len(self.number))] = np.fromiter(
             map(values.get, self.number, repeat(default)), dtype, len(self.number))
         return found
 
-    def mask(self, keys: Set[Key]) -> np.ndarray:
+    def mask(self, keys: AbstractSet[Key]) -> np.ndarray:
         """Per buffer, whether its key is one of ``keys``."""
         found = np.zeros(self.numbers, bool)
         found[[self.number[key] for key in keys if key in self.number]] = True
         return found
 
-    def handovers(self, last: np.ndarray, sizes: np.ndarray, pinned: Set[Key],
+    def handovers(self, last: np.ndarray, sizes: np.ndarray, pinned: AbstractSet[Key],
                   timing: Optional[Tuple[np.ndarray, np.ndarray]] = None) -> Tuple[np.ndarray, ...]:
         """The rule of :func:`donations` on the arrays: ``(action, write row,
         read row of the buffer handed over)`` of each hand-over, in the
@@ -375,7 +377,7 @@ def _among(values: np.ndarray, candidates: np.ndarray) -> np.ndarray:
     return candidates[np.minimum(found, len(candidates) - 1)] == values
 
 
-def consumed_at_once(key: Key, action: Action, i: int, last_read: Dict[Key, int], pinned: Set[Key]) -> bool:
+def consumed_at_once(key: Key, action: Action, i: int, last_read: Dict[Key, int], pinned: AbstractSet[Key]) -> bool:
     """A result gradient (one of ``action.results``) that action ``i`` writes, nothing
     reads afterwards and the caller does not keep (``keep_x_gradients``
     False): it is made and consumed (applied, reduced) by its own kernel,
@@ -520,7 +522,8 @@ class _Changes:
         buffers = self.buffers
         key_id = int(buffers.write_id[rows[0]])
         pinned = bool(self.pinned[key_id])
-        events = []  # (action, phase: 0 writes and hand-overs / 1 frees, row, bytes written or None)
+        # (action, phase: 0 writes and hand-overs / 1 frees, row, bytes written or None)
+        events: List[Tuple[int, int, int, Optional[int]]] = []
         for row in rows.tolist():
             i = int(buffers.write_action[row])
             if allocating[row]:

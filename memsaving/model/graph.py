@@ -12,7 +12,7 @@ forward tensors backprop keeps alive, which is what checkpointing saves.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 BACKWARD_COST_FACTOR = 2.0
 """Backward of an op costs about twice its forward (two products for a
@@ -280,7 +280,7 @@ class GraphModel:
         return sum(self.tensors[t].nbytes for op in self.ops if op.forward for t in op.outputs)
 
 
-def receives_gradient(model: GraphModel, t: int, xs: Set[int]) -> bool:
+def receives_gradient(model: GraphModel, t: int, xs: AbstractSet[int]) -> bool:
     """Whether backprop makes a gradient for tensor ``t``: a float tensor
     that is one of ``xs`` or made by a forward op (an input fed from outside
     the forward graph gets none)."""

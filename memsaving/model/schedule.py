@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import abc
 from dataclasses import dataclass
 from enum import Enum
-from typing import AbstractSet, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+from typing import AbstractSet, Any, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple, Union
 
 from memsaving.model.graph import GraphModel
 from memsaving.model.splitting import SPLIT_OP_TYPE
@@ -279,7 +279,7 @@ class _Segment:
         self.inplace: Optional[Unit] = None
         """Its inplace unit, made once."""
 
-    def fits(self, kept: AbstractSet[int]) -> bool:
+    def fits(self, kept: Union[Set[int], FrozenSet[int]]) -> bool:
         """Whether it is the anchor's segment when ``kept`` ops are kept."""
         return kept.isdisjoint(self.inside) and kept.issuperset(self.boundary)
 
@@ -334,7 +334,7 @@ def _segment_kind(inplace: bool, ops: tuple, anchor: int) -> UnitKind:
     return UnitKind.INPLACE if inplace and ops == (anchor,) else UnitKind.SEGMENT
 
 
-_UNSEEN = object()
+_UNSEEN: Any = object()  # a sentinel, compared by identity (Any: found.get(anchor, _UNSEEN) stays a segment)
 
 _SEGMENT_OPS_PER_OP = 16
 """Ops (and the kept ops where they stop) of the segments remembered, per

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import AbstractSet, Dict, List, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 from memsaving.model.graph import GraphModel, OpInfo, TensorInfo, gradient_sinks, receives_gradient
 
@@ -163,14 +163,14 @@ def grow_region(model: GraphModel, seed: int, rows: int, upstream: bool = True,
                 for c in model.consumers(t):
                     if c in region or not _splittable(model, c, rows):
                         continue
-                    positions = row_positions(model.ops[c], rows)
+                    positions = cast(Tuple[int, ...], row_positions(model.ops[c], rows))  # c is splittable
                     if any(model.ops[c].inputs[k] == t for k in positions) and not _reads_whole(model, c, t, rows):
                         if not ys.intersection(model.ops[c].outputs):
                             region.add(c)
                             changed = True
             if not upstream:
                 continue
-            for k in row_positions(op, rows):  # upstream
+            for k in cast(Tuple[int, ...], row_positions(op, rows)):  # upstream (the region's ops are splittable)
                 if op.inputs[k] in fences:
                     continue
                 p = model.tensors[op.inputs[k]].producer
@@ -231,7 +231,7 @@ def region_tensors(model: GraphModel, ops: Sequence[int], rows: int) -> Tuple[Li
     outputs: Dict[int, None] = {}
     for i in ops:
         op = model.ops[i]
-        positions = row_positions(op, rows)
+        positions = cast(Tuple[int, ...], row_positions(op, rows))  # a region's ops are splittable
         for k, t in enumerate(op.inputs):
             if model.tensors[t].producer in members:
                 continue

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, NoReturn, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -323,7 +323,7 @@ def select_for_budget(
     _raise_infeasible(model, budget, floor)
 
 
-def _raise_infeasible(model: GraphModel, budget: int, lowest_peak: int):
+def _raise_infeasible(model: GraphModel, budget: int, lowest_peak: int) -> NoReturn:
     notes = ""
     bound = peak_lower_bound(model)
     if budget < bound:
@@ -366,7 +366,7 @@ def lowest_peak_plan(
     found = _search(model, candidates, 0, keep_x_gradients=keep_x_gradients, cut_bytes=cut_bytes,
                     max_evaluations=max_evaluations)
     plain = simulate(model, keep_x_gradients=keep_x_gradients)
-    options = [((plain.peak_bytes, 0.0), [])] + [
+    options: List[Tuple[Tuple[int, float], List[int]]] = [((plain.peak_bytes, 0.0), [])] + [
         ((peak, cost), _ops_of(found.cuts, chosen)) for chosen, (cost, peak) in found.evaluated.items()]
     (peak, cost), ops = min(options, key=lambda option: option[0])
     return Proposal(ops, peak, cost, name="lowest")
@@ -433,7 +433,7 @@ def low_peak_plans(model: GraphModel, candidates: Sequence) -> List[List[int]]:
 def minimum_peak(model: GraphModel, candidates: Sequence, *, keep_x_gradients: bool = False) -> int:
     """The smallest simulated peak over DP plans for a range of budgets."""
     peaks = [simulate(model, ops, keep_x_gradients=keep_x_gradients).peak_bytes
-             for ops in [[]] + low_peak_plans(model, candidates)]
+             for ops in [[], *low_peak_plans(model, candidates)]]
     return min(peaks)
 
 

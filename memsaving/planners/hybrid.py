@@ -21,7 +21,7 @@ them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 from memsaving.planners.budget import lowest_peak_plan, no_plan_fits, plan_for_budget
 from memsaving.errors import BudgetError, feasible_budget
@@ -118,7 +118,7 @@ def plan_hybrid(
             moves.append((current.checkpoint_ops, sorted(swapped - {t})))
         if len(visited) + len(moves) > max_evaluations:
             moves = moves[: max(0, max_evaluations - len(visited))]
-        scored = []
+        scored: List[Proposal] = []
         for ops, sw in moves:
             if scored and used_up():
                 break  # the planning time is spent: choose among the moves scored so far

@@ -72,7 +72,7 @@ def _lowest_peak(model: GraphModel, cuts, keep_x_gradients: bool) -> Proposal:
         root = max(1, int(round(len(pool) ** 0.5)))
         for count in sorted({max(1, root // 2), root, min(len(pool), 2 * root)}):
             options.append(candidates.sqrtn_sets(model, pool, count))
-    scored = []
+    scored: List[Proposal] = []
     for ops in options:
         if scored and used_up():
             break

@@ -68,8 +68,8 @@ def nested_dp(chain_: Chain, budget: float, buckets: int = 128) -> Optional[Tupl
     kept = np.concatenate([[0], np.ceil(chain_.kept / scale).astype(int), [0]])
     end = m + 1
     grid = np.arange(size)
-    cost, memory = chain_.stretch_tables()
-    need = np.ceil(memory / scale)  # buckets each stretch needs when recomputed whole
+    cost, stretch_memory = chain_.stretch_tables()
+    need = np.ceil(stretch_memory / scale)  # buckets each stretch needs when recomputed whole
     if not leaves_cover(need, kept, buckets):
         return None  # no plan fits: skip the cubic tables
     # shifted[c, M] = M - kept[c]: where solve(c, b) is read after holding cut c
@@ -82,18 +82,18 @@ def nested_dp(chain_: Chain, budget: float, buckets: int = 128) -> Optional[Tupl
         # every stretch (a, a + length] at once; inner cuts c = a + 1 .. b - 1 in order
         starts = np.arange(0, m + 1 - length)
         ends = starts + length
-        best = np.where(grid[None, :] >= need[starts, ends][:, None], cost[starts, ends][:, None], np.inf)
-        pick = np.full((len(starts), size), LEAF)
+        best: np.ndarray = np.where(grid[None, :] >= need[starts, ends][:, None], cost[starts, ends][:, None], np.inf)
+        pick: np.ndarray = np.full((len(starts), size), LEAF)
         if length > 1:
-            inner = starts[:, None] + np.arange(1, length)[None, :]  # (stretches, inner cuts)
-            rows = shifted[inner]  # (stretches, inner cuts, size)
-            later = np.where(valid[inner], solve[inner[:, :, None], ends[:, None, None], rows], np.inf)
-            options = cost[starts[:, None], inner][:, :, None] + later + solve[starts[:, None], inner]
+            inner_cut = starts[:, None] + np.arange(1, length)[None, :]  # (stretches, inner cuts)
+            rows = shifted[inner_cut]  # (stretches, inner cuts, size)
+            later = np.where(valid[inner_cut], solve[inner_cut[:, :, None], ends[:, None, None], rows], np.inf)
+            options = cost[starts[:, None], inner_cut][:, :, None] + later + solve[starts[:, None], inner_cut]
             at = np.argmin(options, axis=1)  # (stretches, size): the first inner cut on ties
             lowest = np.take_along_axis(options, at[:, None, :], axis=1)[:, 0, :]
             better = lowest < best
             best = np.where(better, lowest, best)
-            pick = np.where(better, np.take_along_axis(inner, at, axis=1), pick)
+            pick = np.where(better, np.take_along_axis(inner_cut, at, axis=1), pick)
         solve[starts, ends] = best
         choice[starts, ends] = pick
     top = np.full((end + 1, size), np.inf)
@@ -115,7 +115,7 @@ def nested_dp(chain_: Chain, budget: float, buckets: int = 128) -> Optional[Tupl
     if not np.isfinite(top[0][buckets]):
         return None
 
-    level_one: List[int] = []
+    level_one: List[Tuple[int, int, int]] = []  # (a, b, memory) of each level-one stretch
     inner: Dict[int, List[int]] = {}
 
     def unfold(a: int, b: int, memory: int):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import sys
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Dict, List, Optional, Sequence, TextIO, Tuple, cast
 
 from memsaving.model.graph import GraphModel
 from memsaving.planners.known_error import HEADROOM, needed_budget
@@ -319,7 +319,7 @@ def make_plan(
         compute = (sim.forward_cost + sim.backward_cost + sim.recompute_cost) / (
             unsplit.forward_cost() + unsplit.backward_cost())
     segments = []
-    steps = []
+    steps: List[Tuple[str, str, Tuple[str, ...]]] = []
     for unit in backward_units(model, kept, inner, inplace=inplace):
         anchor = model.ops[unit.anchor] if unit.anchor >= 0 else None
         steps.append((unit.kind, anchor.name if anchor else "", tuple(model.ops[i].name for i in unit.ops)))
@@ -348,7 +348,8 @@ def make_plan(
                           if op.forward and not op.copyable and op.type != "ReadVariableOp"],
         swapped=[model.tensors[t].name for t in swapped],
         swapped_bytes=[model.tensors[t].nbytes for t in swapped],
-        transfer_seconds=[model.tensors[t].nbytes / cost.bandwidth for t in swapped] if swapped else [],
+        transfer_seconds=([model.tensors[t].nbytes / cast(CostModel, cost).bandwidth for t in swapped]
+                          if swapped else []),  # swapped: cost was set above
         predicted_seconds=sim.step_seconds,
         plain_seconds=plain.step_seconds,
         steps=steps,

@@ -30,7 +30,7 @@ simulator as the unsplit model.
 
 from __future__ import annotations
 
-from typing import Callable, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Callable, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 from memsaving.candidates.cuts import bottleneck_ops
 from memsaving.errors import BudgetError, CheckpointError
@@ -39,7 +39,7 @@ from memsaving.model.splitting import grow_region, largest_splittable_ops
 from memsaving.planners.budget import exact_bytes
 from memsaving.sim.split_regions import fold_regions
 
-Planner = Callable[[GraphModel], object]
+Planner = Callable[[GraphModel], Any]
 """Plans a (possibly folded) model: returns a plan with a ``predicted_peak``,
 or raises :class:`~memsaving.errors.BudgetError`."""
 
@@ -77,7 +77,7 @@ def explicit_split(model: GraphModel, seeds: Sequence[Tuple[int, int]]) -> Graph
         unknown), or into that many pieces.
     """
     regions = []
-    taken = set()
+    taken: Set[int] = set()
     for seed, pieces in seeds:
         op = model.ops[seed]
         if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 2:
@@ -161,7 +161,7 @@ def auto_split(model: GraphModel, plan: Planner, has_budget: bool):
     if has_budget and best is not None:
         return best
     tried = set()
-    floors = []  # the smallest budgets the failed splits report
+    floors: List[Optional[int]] = []  # the smallest budgets the failed splits report
     for seed, _ in largest_splittable_ops(model, SEEDS):
         for region, rows in region_choices(model, seed, fenced=False) + region_choices(model, seed):
             if (region, rows) in tried:
@@ -212,7 +212,7 @@ def further_regions(model: GraphModel, first: Sequence[int]) -> List[Tuple[Tuple
 
 
 def _split_for(model: GraphModel, plan: Planner, region: Tuple[int, ...], rows: int,
-               has_budget: bool, floors: List[int], further: Sequence = ()) -> Optional[object]:
+               has_budget: bool, floors: List[Optional[int]], further: Sequence = ()) -> Optional[object]:
     """The plan of ``region`` cut into 2, 4, 8... pieces, beside the
     ``further`` regions (as :func:`fold_regions` takes them): with a budget,
     the first that fits (None if none does; the smallest budgets the

@@ -27,7 +27,7 @@ not differentiated (``forward=False``), as ``tf.gradients`` would skip them.
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -100,12 +100,12 @@ def layer_graph_model(keras_model, batch_size: int, max_layers: Optional[int] = 
     return model
 
 
-def _layer_calls(keras_model) -> List[Tuple[object, object]]:
+def _layer_calls(keras_model) -> List[Tuple[Any, Any]]:
     """``(layer, node)`` of every layer call the outputs depend on, inputs
     first (depth-first post-order from the outputs)."""
-    order: List[Tuple[object, object]] = []
+    order: List[Tuple[Any, Any]] = []  # Keras layers and nodes
     seen = set()
-    stack: List[Tuple[object, bool]] = [(_node_of(t), False) for t in reversed(keras_model.outputs)]
+    stack: List[Tuple[Any, bool]] = [(_node_of(t), False) for t in reversed(keras_model.outputs)]
     while stack:
         node, expanded = stack.pop()
         if id(node) in seen:
@@ -130,7 +130,7 @@ def _node_of(tensor):
     return history.operation._inbound_nodes[history.node_index]  # pylint: disable=protected-access
 
 
-def _loss_inputs(keras_model, calls) -> List[object]:
+def _loss_inputs(keras_model, calls) -> List[Any]:
     """The model's outputs, or for a prefix every kept tensor that a dropped
     layer call (or the model's output) reads."""
     kept = {id(t) for _, node in calls for t in node.outputs}
@@ -138,7 +138,7 @@ def _loss_inputs(keras_model, calls) -> List[object]:
     if all(id(t) in kept for t in keras_model.outputs) and len(calls) == len(_layer_calls(keras_model)):
         return list(keras_model.outputs)
     kept_nodes = {id(node) for _, node in calls}
-    found: Dict[int, object] = {}
+    found: Dict[int, Any] = {}  # Keras tensors
     for _, node in _layer_calls(keras_model):
         if id(node) in kept_nodes:
             continue
@@ -238,7 +238,7 @@ class _Builder:
         producer = self.tensors[tid].producer
         return producer >= 0 and self.ops[producer].forward
 
-    def loss(self, tensors: Iterable[object]) -> None:
+    def loss(self, tensors: Iterable[Any]) -> None:
         """A mean of squares over ``tensors``: its gradient reads them."""
         inputs = tuple(self.ids[id(t)] for t in tensors)
         elements = sum(_elements(t.shape, self.batch) for t in tensors)

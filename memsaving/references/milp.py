@@ -85,7 +85,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -465,7 +465,7 @@ class _Formulation:
             u = p.var(upper=headroom, integer=False)
             self.U[(t, q)] = u
             self.grad_bytes[(t, q)] = grad * self.unit
-            terms = [(1.0, u)]
+            terms: List[Tuple[float, Ref]] = [(1.0, u)]
             if node != -1:
                 terms.append((-size[node], self.r(t, node)))
             if previous is None:
@@ -625,7 +625,7 @@ def schedule_of(form: _Formulation, x: np.ndarray) -> List[Event]:
     for t in range(form.stages):
         for i in form.computable(t):
             ref = form.r(t, i)
-            if (ref > 0.5) if _is_fixed(ref) else x[ref] > 0.5:
+            if (ref > 0.5) if _is_fixed(ref) else x[cast(int, ref)] > 0.5:  # not fixed: a variable's index
                 events.append(("forward", i))
         if t >= form.n:
             events.append(("backward", form.g.backward_ops[t - form.n]))

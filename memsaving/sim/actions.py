@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
-from typing import Any, Callable, Container, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Container, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from memsaving.model.buffers import Action, BufferRows, Key, on_buffers, with_reads
 from memsaving.model.graph import (
-    BACKWARD_COST_FACTOR, GraphModel, OpInfo, gradient_sinks, receives_gradient, shared_results,
+    GraphModel, OpInfo, gradient_sinks, receives_gradient, shared_results,
 )
 from memsaving.model.schedule import RECOMPUTING, Unit, UnitKind, recomputes_anchor
 from memsaving.sim.blocks import UnitBlock, UnitMemo, runs
@@ -405,7 +405,8 @@ class _BackwardPass:
         self.model = model
         self.ops = model.derived("op kernels", lambda: _op_kernels(model))
         self.grads = GradientBuffers(model)
-        self.sources: Dict[int, Key] = {}  # inner checkpoints rebuilt by advance units
+        # inner checkpoints rebuilt by advance units (by tensor, or by saved_key(i) for saved memory)
+        self.sources: Dict[Union[int, Key], Key] = {}
         self.forward = forward_keys(model)
         self.view_readers: List[Action] = []
         """The actions that read a tensor that may be a view."""
@@ -420,12 +421,12 @@ class _BackwardPass:
                 self.grads.add(y, [], seed_writes)
         self.actions: List[Action] = [Action("seed gradients", [], seed_writes)]
 
-    def run(self, unit: Unit) -> Dict[int, Key]:
+    def run(self, unit: Unit) -> Dict[Union[int, Key], Key]:
         """Append ``unit``'s actions, in the order the step runs them
         (:mod:`memsaving.tf.order` pins the step to this replay): its
         copies in topological order, then its ops' gradients, last op
         first; return its copies (``local``)."""
-        local: Dict[int, Key] = {}
+        local: Dict[Union[int, Key], Key] = {}  # by tensor, or by saved_key(i)
         if unit.kind in RECOMPUTING:
             self.recompute(unit, local)
         if unit.kind == UnitKind.ADVANCE:
@@ -497,7 +498,7 @@ class _BackwardPass:
         return (tuple(chain(chain.from_iterable(anchors), chain.from_iterable(map(touched.__getitem__, ops)))),
                 tuple(chain.from_iterable(map(targets.__getitem__, ops))))
 
-    def recompute(self, unit: Unit, local: Dict[int, Key]) -> None:
+    def recompute(self, unit: Unit, local: Dict[Union[int, Key], Key]) -> None:
         """The copies of ``unit``'s ops, writing ``local`` buffers (keyed by
         the unit's tag and anchor)."""
         segment = unit.kind == UnitKind.SEGMENT
@@ -525,7 +526,7 @@ class _BackwardPass:
         if local:
             self.copies.update(local.values())
 
-    def differentiate(self, i: int, local: Dict[int, Key]) -> None:
+    def differentiate(self, i: int, local: Dict[Union[int, Key], Key]) -> None:
         """The gradient kernels of op ``i``, once its outputs have gradients."""
         op = self.ops[i]
         if not op.kernels:
@@ -653,5 +654,5 @@ class _Written:
     def __init__(self, forward: Set[Key], copies: Set[Key]):
         self.forward, self.copies = forward, copies
 
-    def __contains__(self, key: Key) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self.forward or key in self.copies

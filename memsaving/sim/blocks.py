@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from itertools import chain, compress
 from operator import attrgetter, methodcaller
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 from memsaving.model.buffers import Action, BufferRows, Key
 from memsaving.model.schedule import Unit
@@ -206,10 +206,10 @@ class UnitMemo:
         (not those of the plan being made, whose entries may still get
         blocks)."""
         def used(value: Union[_Entry, int]) -> int:
-            return value if value.__class__ is int else value.used
+            return value if value.__class__ is int else cast(_Entry, value).used
 
         def size(value: Union[_Entry, int]) -> int:
-            return 1 if value.__class__ is int else value.size
+            return 1 if value.__class__ is int else cast(_Entry, value).size
 
         excess = self.size - self.capacity // 2
         for key, value in sorted(self.entries.items(), key=lambda item: used(item[1])):

@@ -55,7 +55,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, List, Optional, Sequence, Tuple, cast
 
 THREADS = 2
 """Threads of TensorFlow's default inter-op pool on this kind of machine
@@ -187,7 +187,7 @@ def _executor_order(step: _Step, threads: int, seed: int) -> List[int]:
     while running:
         now, _, t = heapq.heappop(running)
         me = pool[t]
-        done, me.running = me.running, None
+        done, me.running = cast(int, me.running), None  # the op it was running
         ready = []
         for s in succs[done]:
             pending[s] -= 1

@@ -66,7 +66,7 @@ def plan_schedule(model: GraphModel, checkpoint_ops: Iterable[int] = (), drop_un
 def _without_unread(model: GraphModel, events: List[Event]) -> List[Event]:
     """``events`` without the recomputations nobody reads (scanned from the
     end, so a recomputation only feeding dropped ones is dropped too)."""
-    first = {}
+    first: Dict[int, int] = {}  # each op's first recomputation (index into events)
     for k, (kind, i) in enumerate(events):
         if kind == "forward":
             first.setdefault(i, k)

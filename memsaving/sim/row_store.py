@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from itertools import chain
 from operator import attrgetter
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 import numpy as np
 
@@ -92,7 +92,7 @@ class RowStore:
     def keep(self, blocks: Sequence) -> None:
         """Keep only the rows of ``blocks`` (stored), moving their spans."""
         spans = np.array(list(map(attrgetter("span"), blocks)), np.int64).reshape(-1, 6)
-        moved: List[Optional[np.ndarray]] = [None, None, None]
+        moved: List[Any] = [None, None, None]  # each an array once the loop below has run
         for k, (first, count) in enumerate(((0, 1), (2, 3), (4, 5))):
             kept = self.arrays[k][:, _ranges(spans[:, first], spans[:, count])]
             self.arrays[k] = np.concatenate([kept, np.zeros((kept.shape[0], max(1024, kept.shape[1])), np.int64)],

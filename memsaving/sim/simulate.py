@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import accumulate, chain, compress
 from operator import attrgetter, methodcaller
-from typing import FrozenSet, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import FrozenSet, Iterable, Iterator, List, Optional, Set, Tuple, cast
 
 from memsaving.sim.actions import block_rows, forward_actions, step_actions, step_blocks
 from memsaving.sim.allowance import charge
@@ -280,7 +280,7 @@ def _replayed_list(model: GraphModel, kept: Set[int], units: List[Unit], pinned:
     timeline, peak, chunk_peak = _replayed_rows(BufferRows(actions, forward), pinned, allocator)
     charge(len(actions))
     if swapped:
-        peak = timed_peak
+        peak = cast(int, timed_peak)  # swapped plans are timed above
     labels = list(map(attrgetter("label"), actions))
     forward_cost, backward_cost = model.derived("step costs", lambda: (model.forward_cost(), model.backward_cost()))
     recomputed = map(methodcaller("startswith", RECOMPUTED_LABELS), labels)

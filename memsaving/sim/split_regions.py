@@ -12,9 +12,9 @@ other, and the simulator scores it.
 from __future__ import annotations
 
 import heapq
-import math
+import math  # noqa: F401  (the examples in fold_regions's docstring use it)
 from dataclasses import replace
-from typing import Dict, Iterable, List, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Sequence, Set, Tuple, cast
 
 from memsaving.model.buffers import memory_replay
 from memsaving.model.graph import GraphModel, OpInfo, gradient_sinks, receives_gradient
@@ -135,9 +135,9 @@ def _folded_op(model: GraphModel, ops: Tuple[int, ...], rows: int, chunks: int) 
         # every piece is recomputed from the region's inputs, whatever their kind
         grad_reads=tuple(t for t in inputs if model.tensors[t].producer >= 0),
         cost=sum(op.cost for op in members), temp_bytes=forward_bytes, grad_temp_bytes=backward_bytes,
-        # measured times of the whole ops, plus a launch per op and piece
-        seconds=sum(op.seconds for op in members) + launches if timed else None,
-        grad_seconds=(sum(op.grad_seconds or 0.0 for op in members) + sum(op.seconds for op in members)
+        # measured times of the whole ops, plus a launch per op and piece (timed: no op's seconds is None)
+        seconds=sum(cast(float, op.seconds) for op in members) + launches if timed else None,
+        grad_seconds=(sum(op.grad_seconds or 0.0 for op in members) + sum(cast(float, op.seconds) for op in members)
                       + 3 * launches if grad_timed else None),
         chunks=chunks)
     names = lambda ids: tuple(model.tensors[t].name for t in ids)  # noqa: E731
@@ -170,8 +170,8 @@ def _order_with_folds(model: GraphModel, taken: Dict[int, int], dropped: Set[int
                 needs.add(node(p))
     successors: Dict[Tuple[str, int], List[Tuple[str, int]]] = {n: [] for n in predecessors}
     for n, needs in predecessors.items():
-        for p in needs:
-            successors[p].append(n)
+        for need in needs:
+            successors[need].append(n)
     waiting = {n: len(needs) for n, needs in predecessors.items()}
     ready = [(first[n], n) for n, w in waiting.items() if w == 0]
     heapq.heapify(ready)

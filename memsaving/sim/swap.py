@@ -19,7 +19,7 @@ swap-in, by the rule the emitter follows
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from memsaving.sim.actions import step_actions
 from memsaving.model.buffers import Action, consumed_at_once, donations
@@ -135,7 +135,7 @@ def add_swaps(actions: Sequence, model: GraphModel, swapped: Iterable[int], forw
             Action(f"swap-in {info.name}", [("h", t)], [(("s", t, k), info.nbytes)], float(info.nbytes),
                    stream="h2d"))
         previous = group
-    result = []
+    result: List[Action] = []
     for i, action in enumerate(actions):
         result.extend(before.get(i, ()))
         if i in waits or any((i, key[1]) in renamed for key in action.reads if key[0] == "f"):
@@ -170,7 +170,8 @@ def _forward_waiters(model: GraphModel, tensor: int, slack: int) -> List[int]:
     return sorted(swap_out_waiters(first, forward_readers, slack))
 
 
-def timed_replay(actions: Sequence, cost: CostModel, pinned: Set = frozenset()) -> Tuple[float, int, List[float]]:
+def timed_replay(actions: Sequence, cost: CostModel,
+                 pinned: AbstractSet = frozenset()) -> Tuple[float, int, List[float]]:
     """``(step seconds, peak bytes, end time of each action)`` with three streams.
 
     Compute actions run one after the other in list order (cost in FLOPs);
