@@ -21,7 +21,7 @@ from tensorflow.python.ops import gradients_impl as _gradients_impl
 
 from memsaving.candidates import cuts as candidates
 from memsaving.planners.budget import no_plan_fits, parse_bytes, plan_for_budget
-from memsaving.tf.checkpoints import Checkpoints, resolve_checkpoints
+from memsaving.tf.checkpoints import MODES, Checkpoints, resolve_checkpoints
 from memsaving.planners.modes import memory_proposal, speed_proposal
 from memsaving.errors import BudgetError, CheckpointError, PlanWarning, feasible_budget
 from memsaving import fit_budget as _calibration
@@ -190,9 +190,6 @@ def gradients(
         a multi-level (recursive) plan (off by default: their peaks measure
         1.13-1.5x their predictions and move from run to run).
 
-    Stateful ops (variable reads, random ops, calls with side effects) and
-    control-flow ops are never recomputed; their outputs are kept.
-
     Raises
     ------
     RuntimeError
@@ -205,6 +202,11 @@ def gradients(
         no plan fits ``budget`` (says the smallest that does).
     memsaving.UnsupportedGraphError
         TF1-style control flow in the graph.
+
+    Notes
+    -----
+    Stateful ops (variable reads, random ops, calls with side effects) and
+    control-flow ops are never recomputed; their outputs are kept.
 
     Examples
     --------
@@ -479,7 +481,11 @@ def check_checkpoints_argument(checkpoints) -> None:
     graph; say what the argument takes instead.  The elements of a list or
     a tuple are checked here (another iterable, which checking would use
     up, is checked when it is resolved)."""
-    if isinstance(checkpoints, str) or is_tensor_like(checkpoints):
+    if isinstance(checkpoints, str):
+        if checkpoints not in MODES:
+            raise CheckpointError(f"unknown checkpoints mode {checkpoints!r}: pass a list of tensors or one of {MODES}")
+        return
+    if is_tensor_like(checkpoints):
         return
     try:
         iter(checkpoints)

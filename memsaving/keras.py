@@ -154,6 +154,8 @@ def enable(
         allow multi-level plans under a budget, as for
         :func:`memsaving.gradients` (off by default: their peaks err more).
 
+    Notes
+    -----
     XLA (``jit_compile=True``) schedules the whole step itself and would
     ignore the recomputation order, so it is turned off for this model
     (``disable`` restores it).  Returns ``model``.

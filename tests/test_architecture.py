@@ -58,6 +58,7 @@ TOP_LEVEL: Dict[str, str] = {
     "memsaving.patching": "api",
     "memsaving.keras": "api",
     "memsaving.offload": "api",
+    "memsaving.tape_function": "api",
     "memsaving.errors": "model",  # every layer raises these
     "memsaving.__main__": "tools",
 }

@@ -7,11 +7,14 @@ import pytest
 
 import memsaving.api
 import memsaving.keras
+import memsaving.tape_function
 
 EXAMPLES = {
     "gradients": memsaving.api.gradients,
     "plan": memsaving.api.plan,
     "keras.enable": memsaving.keras.enable,
+    "function": memsaving.tape_function.function,
+    "MemsavingFunction.explain": memsaving.tape_function.MemsavingFunction.explain,
 }
 
 
