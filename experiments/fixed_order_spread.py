@@ -7,6 +7,8 @@ memory-mode training step (``checkpoints="memory"``, Adam) under three
 settings, each in processes of its own:
 
 * ``default``: TensorFlow's executor and thread pools;
+* ``barrier``: TensorFlow's executor, and the weight gradients handed to
+  the optimizer only once all are made (as under ``single+barrier`` below);
 * ``single``: the step's function run by TensorFlow's single-threaded
   executor (``tf.experimental.function_executor_type("SINGLE_THREADED_EXECUTOR")``,
   read when the function is called): its ops run one at a time, in one
@@ -44,7 +46,7 @@ import sys
 import time
 from typing import Dict, List
 
-SETTINGS = ("default", "single", "single+barrier")
+SETTINGS = ("default", "barrier", "single", "single+barrier")
 DEFAULT_MODELS = ("mlp", "resconv", "attention", "depthwise", "text", "grouped", "gru")
 MIB = 2 ** 20
 
@@ -71,13 +73,13 @@ def training_step(name: str, setting: str):
         predictions = model(inputs, training=True)
         loss = tf.reduce_mean(tf.square(tf.cast(predictions, tf.float32) - tf.cast(targets, tf.float32)))
         grads = memsaving.gradients(loss, variables, checkpoints="memory", batch_size=case.batch)
-        if setting == "single+barrier":
+        if setting.endswith("barrier"):
             with tf.control_dependencies(grads):
                 grads = [tf.identity(g) for g in grads]
         optimizer.apply_gradients(zip(grads, variables))
         return loss
 
-    executor = (tf.experimental.function_executor_type("SINGLE_THREADED_EXECUTOR") if setting != "default"
+    executor = (tf.experimental.function_executor_type("SINGLE_THREADED_EXECUTOR") if setting.startswith("single")
                 else contextlib.nullcontext())
     return step, (case.inputs, case.targets), executor
 
