@@ -1026,3 +1026,52 @@ def test_a_tf_function_step_is_traced_again_each_round():
     # a round after the first plans only if the tf.function was unwrapped (else a ValueError says so)
     assert step.calibration.fits and step.calibration.plans
     assert all(plan.budget == budget for plan in step.calibration.plans)
+
+
+# ----------------------------------------------------------------------------- memsaving.function(budget=)
+
+
+def _tape_step(mlp, budget):
+    """The MLP's training step written with a GradientTape, under memsaving.function(budget=)."""
+    @memsaving.function(checkpoints="memory", budget=budget)
+    def train_step(x):
+        with tf.GradientTape() as tape:
+            loss = mlp.loss(x)
+        for w, g in zip(mlp.weights, tape.gradient(loss, mlp.weights)):
+            w.assign_sub(1e-3 * g)
+        return loss
+    return train_step
+
+
+def function_hard_limit_figures(steps: int = 20) -> dict:
+    """memsaving.function(budget=) on a tape step: its first call calibrates, then ``steps`` calls,
+    in a process whose CPU allocator is capped at the budget."""
+    mlp = MLP(seed=3, unseen_copies=0)
+    budget = int(os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"]) * MiB
+    step = _tape_step(mlp, budget)
+    for _ in range(steps):
+        step(mlp.x).numpy()
+    return {"rounds": [r.measured_peak for r in step.calibration.rounds],
+            "peak": int(tf.config.experimental.get_memory_info("CPU:0")["peak"]), "budget": budget}
+
+
+def test_memsaving_function_with_a_budget_trains_under_a_hard_memory_limit():
+    """A tape loop switched with @memsaving.function(budget=...) keeps the budget as fit_to_budget
+    does: every call, the first one's calibration included, runs under the capped allocator.  (At 0.6
+    of the step's memory this MLP needs a multi-level plan, which memsaving.function does not offer.)"""
+    budget_mib = _capped_budget_mib(0.8)
+    figures = in_a_fresh_process("test_fit_budget", "function_hard_limit_figures", test_settings=False,
+                                 environment={"TF_CPU_BFC_MEM_LIMIT_IN_MB": str(budget_mib)})
+    assert figures["rounds"]
+    assert figures["peak"] <= figures["budget"]
+    assert all(peak <= figures["budget"] for peak in figures["rounds"])
+
+
+def test_memsaving_function_refuses_a_budget_below_every_plan_before_any_step():
+    mlp = MLP(seed=2, unseen_copies=0)
+    _, resident = mlp.plain_plan()
+    before = [w.numpy() for w in mlp.weights]
+    step = _tape_step(mlp, resident + 1)
+    with pytest.raises(memsaving.BudgetError, match="Nothing was run"):
+        step(mlp.x)
+    assert all(np.array_equal(a, w.numpy()) for a, w in zip(before, mlp.weights))
