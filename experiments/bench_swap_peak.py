@@ -57,13 +57,13 @@ def measure(depth: int, width: int, batch: int, lb: int, trigger: str):
     def step(swap: bool):
         options = dict(checkpoints=[])
         if swap:
-            options.update(swap=True, swap_lb=lb, swap_trigger=trigger, flops_per_second=5e10, bandwidth=1e10)
+            options.update(swap=True, swap_options=memsaving.SwapOptions(lb=lb, trigger=trigger, backend=backend),
+                           flops_per_second=5e10, bandwidth=1e10)
 
         @tf.function
         def run(x):
             plans[swap] = memsaving.plan(loss(x), ws, **options)
-            grads = memsaving.gradients(loss(x), ws, swap_backend=backend, **options) if swap \
-                else memsaving.gradients(loss(x), ws, **options)
+            grads = memsaving.gradients(loss(x), ws, **options)
             return tf.add_n([tf.reduce_sum(g) for g in grads])
 
         return run

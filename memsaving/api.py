@@ -12,7 +12,7 @@ import gc
 import logging
 import warnings
 from dataclasses import replace
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 from tensorflow.python.framework import indexed_slices
@@ -39,11 +39,13 @@ from memsaving.tf.loop_pinning import pin_loop_iterations
 from memsaving.tf.order import pin_step
 from memsaving.tf.rewrite import BackwardBuilder
 from memsaving.model.schedule import kept_set
-from memsaving.options import ACCEPTED_KEYWORDS, SWAP_KEYS, Options, parse_options
-from memsaving.sim.allowance import DEFAULT_PLANNING_SECONDS, planning_allowance
+from memsaving.options import (ACCEPTED_KEYWORDS, SHARED_DEFAULTS, Options, accepts_deprecated_keys, option_keywords,
+                               parse_options)
+from memsaving.sim.allowance import planning_allowance
 from memsaving.sim.simulate import collector_paused
 from memsaving.sim.swap import swap_candidates
-from memsaving.tf.swap_rewrite import insert_swaps
+from memsaving.tf.offload import OffloadOptions
+from memsaving.tf.swap_rewrite import SwapOptions, insert_swaps
 from memsaving.offload import offload_step
 from memsaving.tf.split_rewrite import SplitEmitter
 from memsaving.planners.splits import auto_split, explicit_split
@@ -105,13 +107,33 @@ def _in_xla_function(graph) -> bool:
 
 
 @_do_not_convert
+@accepts_deprecated_keys
 def gradients(
     ys: Union[TensorLike, Sequence[TensorLike]],
     xs: Union[TensorLike, Sequence[TensorLike]],
     grad_ys: Optional[Union[tf.Tensor, Sequence[Optional[tf.Tensor]]]] = None,
-    checkpoints: Checkpoints = "collection",
-    budget: Optional[Union[int, str]] = None,
-    **kwargs,
+    *,
+    name: Optional[str] = None,
+    gate_gradients: Optional[bool] = None,
+    aggregation_method: Any = None,
+    stop_gradients: Any = None,
+    unconnected_gradients: Union[str, tf.UnconnectedGradients] = tf.UnconnectedGradients.NONE,
+    colocate_gradients_with_ops: Optional[bool] = None,
+    checkpoints: Checkpoints = SHARED_DEFAULTS["checkpoints"],
+    budget: Optional[Union[int, str]] = SHARED_DEFAULTS["budget"],
+    swap: Any = SHARED_DEFAULTS["swap"],
+    split: Any = SHARED_DEFAULTS["split"],
+    batch_size: Optional[int] = SHARED_DEFAULTS["batch_size"],
+    profile: Optional[bool] = SHARED_DEFAULTS["profile"],
+    planning_time: Optional[float] = SHARED_DEFAULTS["planning_time"],
+    multilevel: bool = SHARED_DEFAULTS["multilevel"],
+    follow_order: Optional[bool] = SHARED_DEFAULTS["follow_order"],
+    keep_x_gradients: bool = SHARED_DEFAULTS["keep_x_gradients"],
+    offload_params: bool = SHARED_DEFAULTS["offload_params"],
+    swap_options: Optional[SwapOptions] = SHARED_DEFAULTS["swap_options"],
+    offload_options: Optional[OffloadOptions] = SHARED_DEFAULTS["offload_options"],
+    flops_per_second: Optional[float] = SHARED_DEFAULTS["flops_per_second"],
+    bandwidth: Optional[float] = SHARED_DEFAULTS["bandwidth"],
 ) -> list:
     """Gradients of ``ys`` with respect to ``xs``, recomputing between checkpoints.
 
@@ -128,9 +150,15 @@ def gradients(
         tensor(s) or variable(s) to differentiate with respect to.
     grad_ys
         optional initial gradients for ``ys``, as in tf.gradients.
+    name, gate_gradients, aggregation_method, stop_gradients, unconnected_gradients
+        as for ``tf.gradients`` (ops are made under the name scope
+        ``memsaving_gradients`` unless ``name`` is given).
+    colocate_gradients_with_ops
+        as for ``tf.compat.v1.gradients``.
     checkpoints
-        which forward tensors are kept; everything between two
-        kept tensors is recomputed during backprop.
+        which forward tensors are kept; everything between two kept tensors
+        is recomputed during backprop (default ``"memory"``, as on every
+        entry point; it was ``"collection"`` before 0.1.0):
 
         * a list of tensors: exactly those (each must lie between xs and ys);
         * ``"collection"``: tensors marked with :func:`memsaving.checkpoint`
@@ -146,49 +174,66 @@ def gradients(
         checkpoints that minimise recomputation while the predicted peak
         fits are chosen among the cuts (among ``checkpoints`` when a list is
         given, among MatMul/Conv outputs with ``"speed"``).
-    **kwargs
-        ``name``, ``gate_gradients``, ``aggregation_method``,
-        ``stop_gradients``, ``unconnected_gradients`` and
-        ``colocate_gradients_with_ops``, with tf.gradients' meaning; and
-        ``batch_size``, the size given to unknown dimensions when predicting
-        memory for ``budget`` (default 1); ``profile``: True measures each
-        op's kernel temporaries and run times on this device
-        (:mod:`memsaving.tf.profiles`, cached on disk), False leaves them out;
-        by default they are measured with ``budget`` or ``"memory"`` and
-        otherwise taken from the cache when there; ``follow_order``:
-        True makes the step run in the order the plan was scored in, with
-        control edges (:mod:`memsaving.tf.order`): with TensorFlow's
-        default thread pools the whole step, forward and backward, so that
-        its peak repeats from run to run; with one inter-op thread each
-        unit's gradient ops; False leaves the order to TensorFlow's
-        executor, whose peak can then move from run to run and run above
-        the predicted one.  By default it is on, except when the
-        forward pass computes in float16 or bfloat16 (Grappler rewrites ops
-        that carry control edges differently, and in half precision the
-        gradients would then round differently from tf.gradients'); with
-        ``swap`` it is always off (the swaps order the step themselves);
-        ``offload_params``: True for variables that live on a host device,
-        ``offload_device`` (default ``"/CPU:0"``; create them under
-        ``tf.device``): each is copied to the accelerator right before its
-        forward use and again before its backward use, each copy freed after
-        its readers (:mod:`memsaving.offload`); apply the gradients under
-        ``tf.device(offload_device)`` so the update runs on the host too;
-        the plan's ``offload`` holds the predicted device peak and step time;
-        ``planning_time``: the seconds of simulation the planner may spend
-        (default 30, None for no limit), counted in replayed actions so that
-        plans are the same on every machine (:mod:`memsaving.sim.allowance`);
-        when it is spent the best plan found so far is used, and
-        ``Plan.explain()`` says so; ``split``: ``{tensor_or_op: k}`` computes
-        the region of row-wise ops around each (from the op that makes the
-        tensor towards the loss, e.g. a language model's head and its
-        cross-entropy) in ``k`` pieces of rows (examples, or tokens), one
-        piece alive at a time, forward and backward; ``"auto"`` lets the
-        planner split where one op's footprint is what a budget cannot fit
+    swap
+        host swapping: True (every tensor the backward pass reads from the
+        forward pass), ``"auto"`` (with ``budget``: keep, swap or recompute),
+        a list of tensors; None or False: off.  ``swap_options`` says where
+        and when copies are made.
+    split
+        ``{tensor_or_op: k}`` computes the region of row-wise ops around each
+        (from the op that makes the tensor towards the loss, e.g. a language
+        model's head and its cross-entropy) in ``k`` pieces of rows, one piece
+        alive at a time, forward and backward; ``"auto"`` lets the planner
+        split where one op's footprint is what a budget cannot fit
         (:mod:`memsaving.planners.splits`).  Gradients then equal
-        ``tf.gradients``' up to the order of float summation;
-        ``multilevel``: True lets a budget below every single-level plan get
-        a multi-level (recursive) plan (off by default: their peaks measure
-        1.13-1.5x their predictions and move from run to run).
+        ``tf.gradients``' up to the order of float summation.
+    batch_size
+        the size given to unknown dimensions when predicting memory for
+        ``budget`` (default 1).
+    profile
+        True measures each op's kernel temporaries and run times on this
+        device (:mod:`memsaving.tf.profiles`, cached on disk), False leaves
+        them out; by default they are measured with ``budget`` or
+        ``"memory"`` and otherwise taken from the cache when there.
+    planning_time
+        the seconds of simulation the planner may spend (default 30, None for
+        no limit), counted in replayed actions so that plans are the same on
+        every machine (:mod:`memsaving.sim.allowance`); when it is spent the
+        best plan found so far is used, and ``Plan.explain()`` says so.
+    multilevel
+        True lets a budget below every single-level plan get a multi-level
+        (recursive) plan (off by default: their peaks measure 1.13-1.5x their
+        predictions and move from run to run).
+    follow_order
+        True makes the step run in the order the plan was scored in, with
+        control edges (:mod:`memsaving.tf.order`): with TensorFlow's default
+        thread pools the whole step, forward and backward, so that its peak
+        repeats from run to run; with one inter-op thread each unit's
+        gradient ops; False leaves the order to TensorFlow's executor.  By
+        default it is on, except when the forward pass computes in float16 or
+        bfloat16 (Grappler rewrites ops that carry control edges differently,
+        and the gradients would then round differently from tf.gradients');
+        with ``swap`` it is always off (the swaps order the step themselves).
+    keep_x_gradients
+        predict as if the gradients are held until the end of the step
+        (True), or consumed as soon as made (False, default).
+    offload_params
+        True for variables that live on a host device (create them under
+        ``tf.device``; ``offload_options.device``, default ``"/CPU:0"``):
+        each is copied to the accelerator right before its forward use and
+        again before its backward use, each copy freed after its readers
+        (:mod:`memsaving.offload`); apply the gradients under that device so
+        the update runs on the host too.
+    swap_options, offload_options
+        :class:`memsaving.tf.swap_rewrite.SwapOptions` and
+        :class:`memsaving.tf.offload.OffloadOptions`: the host device and when
+        copies are made.  The keywords ``swap_device``, ``swap_trigger``,
+        ``swap_lb``, ``swap_ub``, ``swap_fuse``, ``swap_backend`` and
+        ``offload_device`` of earlier versions still work, with a
+        ``DeprecationWarning``.
+    flops_per_second, bandwidth
+        the device's compute rate and host link speed, used to time swaps
+        against compute.
 
     Raises
     ------
@@ -231,17 +276,52 @@ def gradients(
     With a budget instead (``budget="2GiB"``), the checkpoints are chosen
     so that the predicted peak fits; :func:`plan` shows the plan.
     """
-    return gradients_and_plan(ys, xs, grad_ys, checkpoints, budget, **kwargs)[0]
+    keywords = option_keywords(
+        name=name, gate_gradients=gate_gradients, aggregation_method=aggregation_method,
+        stop_gradients=stop_gradients, unconnected_gradients=unconnected_gradients,
+        colocate_gradients_with_ops=colocate_gradients_with_ops, swap=swap, split=split, batch_size=batch_size,
+        profile=profile, planning_time=planning_time, multilevel=multilevel, follow_order=follow_order,
+        keep_x_gradients=keep_x_gradients, offload_params=offload_params, swap_options=swap_options,
+        offload_options=offload_options, flops_per_second=flops_per_second, bandwidth=bandwidth)
+    if planning_time is None:
+        keywords["planning_time"] = None  # no limit, which option_keywords would drop
+    return gradients_and_plan(ys, xs, grad_ys, checkpoints, budget, **keywords)[0]
 
 
 @_do_not_convert
-def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = "collection", budget=None,
+def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = SHARED_DEFAULTS["checkpoints"], budget=None,
                        probe: Optional[Callable] = None, **kwargs) -> Tuple[list, Plan]:
     """:func:`gradients` and the :class:`Plan` it executed (planned once).
 
-    ``probe(label, tensors)``, when given, is called after each backward
-    unit is built, with the unit's results (used by
-    :mod:`memsaving.tools.memory_timeline` to read the allocator between units).
+    Parameters
+    ----------
+    ys, xs, grad_ys, checkpoints, budget
+        as for :func:`gradients`.
+    probe
+        ``probe(label, tensors)``, when given, is called after each backward
+        unit is built, with the unit's results (used by
+        :mod:`memsaving.tools.memory_timeline` to read the allocator between units).
+    **kwargs
+        the other keywords of :func:`gradients`, by name.
+
+    Returns
+    -------
+    tuple
+        ``(gradients, plan)``.
+
+    Examples
+    --------
+    >>> import tensorflow as tf, memsaving
+    >>> w = tf.Variable(tf.fill([4, 4], 0.1))
+    >>> plans = []
+    >>> @tf.function
+    ... def step(x):
+    ...     grads, plan = memsaving.gradients_and_plan(tf.reduce_sum(tf.tanh(x @ w)), [w], checkpoints="memory")
+    ...     plans.append(plan)
+    ...     return grads
+    >>> _ = step(tf.ones([2, 4]))
+    >>> plans[0].mode
+    'memory'
     """
     if tf.executing_eagerly():
         raise RuntimeError(
@@ -725,19 +805,27 @@ def _mode_plan(checkpoints, fwd, model, budget_bytes: int, keep_x: bool) -> Opti
 
 
 @_do_not_convert
+@accepts_deprecated_keys
 def plan(
     ys: Union[TensorLike, Sequence[TensorLike]],
     xs: Union[TensorLike, Sequence[TensorLike]],
-    checkpoints: Checkpoints = "collection",
-    budget: Optional[Union[int, str]] = None,
-    batch_size: Optional[int] = None,
-    keep_x_gradients: bool = False,
-    stop_gradients=None,
-    profile: Optional[bool] = None,
-    planning_time: Optional[float] = DEFAULT_PLANNING_SECONDS,
-    split=None,
-    multilevel: bool = False,
-    **swap_kwargs,
+    *,
+    stop_gradients: Any = None,
+    checkpoints: Checkpoints = SHARED_DEFAULTS["checkpoints"],
+    budget: Optional[Union[int, str]] = SHARED_DEFAULTS["budget"],
+    swap: Any = SHARED_DEFAULTS["swap"],
+    split: Any = SHARED_DEFAULTS["split"],
+    batch_size: Optional[int] = SHARED_DEFAULTS["batch_size"],
+    profile: Optional[bool] = SHARED_DEFAULTS["profile"],
+    planning_time: Optional[float] = SHARED_DEFAULTS["planning_time"],
+    multilevel: bool = SHARED_DEFAULTS["multilevel"],
+    follow_order: Optional[bool] = SHARED_DEFAULTS["follow_order"],
+    keep_x_gradients: bool = SHARED_DEFAULTS["keep_x_gradients"],
+    offload_params: bool = SHARED_DEFAULTS["offload_params"],
+    swap_options: Optional[SwapOptions] = SHARED_DEFAULTS["swap_options"],
+    offload_options: Optional[OffloadOptions] = SHARED_DEFAULTS["offload_options"],
+    flops_per_second: Optional[float] = SHARED_DEFAULTS["flops_per_second"],
+    bandwidth: Optional[float] = SHARED_DEFAULTS["bandwidth"],
 ) -> Plan:
     """The plan ``gradients`` would execute, with its predicted peak and compute.
 
@@ -747,28 +835,15 @@ def plan(
 
     Parameters
     ----------
-    ys, xs, checkpoints, budget
+    ys, xs, stop_gradients
         as for :func:`gradients`.
-    batch_size
-        replaces unknown dimensions when sizing tensors (default 1).
-    keep_x_gradients
-        predict as if the gradients are returned and held
-        until the end (True), or consumed as soon as made (False, default).
-    stop_gradients
-        as for tf.gradients.
     profile
-        True (default here: a plan is asked for its predictions)
+        True (what None means here: a plan is asked for its predictions)
         measures each op's kernel temporaries and run times on this device,
         whatever the checkpoints; False leaves them out.
-    planning_time
-        the seconds of simulation the planner may spend, as for
-        :func:`gradients` (default 30; None: no limit).
-    split
-        regions computed in pieces of rows, as for :func:`gradients`.
-    multilevel
-        allow multi-level plans under a budget, as for :func:`gradients`.
-    **swap_kwargs
-        ``swap`` and its options, as for :func:`gradients`.
+    checkpoints, budget, swap, split, batch_size, planning_time, multilevel, follow_order, keep_x_gradients, offload_params, swap_options, offload_options, flops_per_second, bandwidth
+        as for :func:`gradients` (the same options, names and defaults on
+        every entry point: :data:`memsaving.options.SHARED_DEFAULTS`).
 
     Examples
     --------
@@ -794,36 +869,92 @@ def plan(
 
     ``chosen.explain()`` prints the backward units and the predictions.
     """
-    unknown = sorted(set(swap_kwargs) - set(SWAP_KEYS))
-    if unknown:
-        raise TypeError(f"memsaving.plan got unexpected keyword argument(s) {unknown}")
     if tf.executing_eagerly():
         raise RuntimeError("memsaving.plan needs a graph: call it inside a tf.function or tf.compat.v1 graph.")
     ys, xs = _as_list(ys), _as_list(xs)
     _check_tensors(ys, "ys")
     _check_tensors(xs, "xs")
-    options = parse_options({"stop_gradients": stop_gradients, "batch_size": batch_size,
-                             "keep_x_gradients": keep_x_gradients, "profile": True if profile is None else profile,
-                             "planning_time": planning_time, "split": split, "multilevel": multilevel,
-                             **swap_kwargs})
+    options = parse_options(dict(
+        option_keywords(stop_gradients=stop_gradients, swap=swap, split=split, batch_size=batch_size,
+                        multilevel=multilevel, follow_order=follow_order, keep_x_gradients=keep_x_gradients,
+                        offload_params=offload_params, swap_options=swap_options, offload_options=offload_options,
+                        flops_per_second=flops_per_second, bandwidth=bandwidth),
+        profile=True if profile is None else profile, planning_time=planning_time))
     ys, xs = _graph_tensors(ys, xs)
     return _plan(ys, xs, checkpoints, budget, options, shown=True)[1]
 
 
 def gradients_speed(ys, xs, grad_ys=None, **kwargs) -> list:
-    """``gradients(..., checkpoints="speed")``: keep MatMul/Conv/Einsum outputs."""
+    """``gradients(..., checkpoints="speed")``: keep MatMul/Conv/Einsum outputs (the TF1 package's name).
+
+    Parameters
+    ----------
+    ys, xs, grad_ys
+        as for :func:`gradients`.
+    **kwargs
+        the other keywords of :func:`gradients`.
+
+    Examples
+    --------
+    >>> import tensorflow as tf, memsaving
+    >>> w = tf.Variable(tf.fill([4, 4], 0.1))
+    >>> @tf.function
+    ... def step(x):
+    ...     h = tf.tanh(tf.matmul(tf.tanh(tf.matmul(x, w)), w))
+    ...     return memsaving.gradients_speed(tf.reduce_sum(h), [w])
+    >>> step(tf.ones([2, 4]))[0].shape
+    TensorShape([4, 4])
+    """
     return gradients(ys, xs, grad_ys, checkpoints="speed", **kwargs)
 
 
 @_do_not_convert
 def gradients_memory(ys, xs, grad_ys=None, **kwargs) -> list:
-    """``gradients(..., checkpoints="memory")``: about sqrt(n) separating tensors."""
+    """``gradients(..., checkpoints="memory")``: about sqrt(n) separating tensors (the TF1 package's name).
+
+    Parameters
+    ----------
+    ys, xs, grad_ys
+        as for :func:`gradients`.
+    **kwargs
+        the other keywords of :func:`gradients`.
+
+    Examples
+    --------
+    >>> import tensorflow as tf, memsaving
+    >>> w = tf.Variable(tf.fill([4, 4], 0.1))
+    >>> @tf.function
+    ... def step(x):
+    ...     h = tf.tanh(tf.matmul(tf.tanh(tf.matmul(x, w)), w))
+    ...     return memsaving.gradients_memory(tf.reduce_sum(h), [w])
+    >>> step(tf.ones([2, 4]))[0].shape
+    TensorShape([4, 4])
+    """
     return gradients(ys, xs, grad_ys, checkpoints="memory", **kwargs)
 
 
 @_do_not_convert
 def gradients_collection(ys, xs, grad_ys=None, **kwargs) -> list:
-    """``gradients(..., checkpoints="collection")``: tensors marked by the user."""
+    """``gradients(..., checkpoints="collection")``: tensors marked by the user (the TF1 package's name).
+
+    Parameters
+    ----------
+    ys, xs, grad_ys
+        as for :func:`gradients`.
+    **kwargs
+        the other keywords of :func:`gradients`.
+
+    Examples
+    --------
+    >>> import tensorflow as tf, memsaving
+    >>> w = tf.Variable(tf.fill([4, 4], 0.1))
+    >>> @tf.function
+    ... def step(x):
+    ...     h = tf.tanh(tf.matmul(memsaving.checkpoint(tf.tanh(tf.matmul(x, w))), w))
+    ...     return memsaving.gradients_collection(tf.reduce_sum(h), [w])
+    >>> step(tf.ones([2, 4]))[0].shape
+    TensorShape([4, 4])
+    """
     return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)
 
 

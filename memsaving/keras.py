@@ -62,8 +62,9 @@ from memsaving.tf.measure import bytes_in_use, default_device, out_of_memory_rai
 from memsaving.tf.offload import OffloadOptions
 from memsaving.tf.placement import bytes_of, place_optimizer, place_variables, same_device
 from memsaving.planners.planning import Plan
-from memsaving.options import parse_options
-from memsaving.sim.allowance import DEFAULT_PLANNING_SECONDS
+from memsaving.options import SHARED_DEFAULTS, accepts_deprecated_keys, option_keywords, parse_options
+from memsaving.tf.checkpoints import Checkpoints
+from memsaving.tf.swap_rewrite import SwapOptions
 
 logger = logging.getLogger("memsaving")
 
@@ -71,19 +72,27 @@ _SETTINGS = "_memsaving_settings"
 _PLAN = "_memsaving_plan"
 
 
+@accepts_deprecated_keys
 def enable(
     model: keras.Model,
-    checkpoints="memory",
-    budget: Optional[Union[int, str]] = None,
-    swap=False,
-    batch_size: Optional[int] = None,
+    *,
     verbose: bool = True,
     calibration_rounds: int = 4,
-    planning_time: Optional[float] = DEFAULT_PLANNING_SECONDS,
-    offload_params: bool = False,
-    offload_device: str = "/CPU:0",
-    split=None,
-    multilevel: bool = False,
+    checkpoints: Checkpoints = SHARED_DEFAULTS["checkpoints"],
+    budget: Optional[Union[int, str]] = SHARED_DEFAULTS["budget"],
+    swap: Any = SHARED_DEFAULTS["swap"],
+    split: Any = SHARED_DEFAULTS["split"],
+    batch_size: Optional[int] = SHARED_DEFAULTS["batch_size"],
+    profile: Optional[bool] = SHARED_DEFAULTS["profile"],
+    planning_time: Optional[float] = SHARED_DEFAULTS["planning_time"],
+    multilevel: bool = SHARED_DEFAULTS["multilevel"],
+    follow_order: Optional[bool] = SHARED_DEFAULTS["follow_order"],
+    keep_x_gradients: bool = SHARED_DEFAULTS["keep_x_gradients"],
+    offload_params: bool = SHARED_DEFAULTS["offload_params"],
+    swap_options: Optional[SwapOptions] = SHARED_DEFAULTS["swap_options"],
+    offload_options: Optional[OffloadOptions] = SHARED_DEFAULTS["offload_options"],
+    flops_per_second: Optional[float] = SHARED_DEFAULTS["flops_per_second"],
+    bandwidth: Optional[float] = SHARED_DEFAULTS["bandwidth"],
 ) -> keras.Model:
     """Make ``model.fit`` / ``train_on_batch`` compute gradients with memsaving.
 
@@ -136,14 +145,19 @@ def enable(
         :func:`memsaving.gradients` (default 30; None: no limit).
     offload_params : bool
         keep the model's variables and the optimizer's state on
-        ``offload_device`` and copy each weight to the accelerator right
+        the host device (``offload_options.device``, default ``"/CPU:0"``)
+        and copy each weight to the accelerator right
         before its forward use and again before its backward use; the
         optimizer's update runs there too (:mod:`memsaving.offload`).  The
         plan's ``offload`` field holds the predicted device peak and step
         time.  Training is unchanged, to the bit.
-    offload_device : str
-        the host device (default ``"/CPU:0"``); the accelerator is the
-        first GPU (the CPU on a machine without one).
+    offload_options : memsaving.tf.offload.OffloadOptions, optional
+        the host device and when weights are copied; the accelerator is the
+        first GPU (the CPU on a machine without one).  ``offload_device=``
+        of earlier versions still works, with a ``DeprecationWarning``.
+    profile, follow_order, keep_x_gradients, swap_options, flops_per_second, bandwidth
+        as for :func:`memsaving.gradients` (the same options, names and
+        defaults on every entry point).
     split : None or "auto"
         ``"auto"``: split the operations that hold the most into pieces
         of rows when the budget cannot fit otherwise (without a budget,
@@ -192,13 +206,15 @@ def enable(
         raise ValueError(f"memsaving.keras.enable(split={split!r}): give split='auto' (the planner splits what a "
                          "budget cannot fit otherwise) or leave it out; name ops to split with "
                          "memsaving.gradients(..., split={op: pieces}) in a custom training step")
+    options = option_keywords(profile=profile, follow_order=follow_order, keep_x_gradients=keep_x_gradients,
+                              swap_options=swap_options, flops_per_second=flops_per_second, bandwidth=bandwidth)
     # bad values fail here, not at the first step
     parse_options({"planning_time": planning_time, "split": split, "swap": swap or None, "multilevel": multilevel,
-                   "offload_params": offload_params or None, "offload_device": offload_device})
-    offload = OffloadOptions(device=offload_device) if offload_params else None
-    if offload is not None and same_device(offload_device, default_device()):
-        logger.warning("memsaving.keras.enable: offload_device %s is the accelerator itself; the weights are "
-                       "copied but no memory is saved", offload_device)
+                   "offload_params": offload_params or None, "offload_options": offload_options, **options})
+    offload = (offload_options or OffloadOptions()) if offload_params else None
+    if offload is not None and same_device(offload.device, default_device()):
+        logger.warning("memsaving.keras.enable: the offload device %s is the accelerator itself; the weights are "
+                       "copied but no memory is saved", offload.device)
     calibrator = None
     if budget is not None and calibration_rounds:
         calibrator = _Calibrator(parse_bytes(budget), calibration_rounds)  # a bad budget fails here
@@ -212,6 +228,7 @@ def enable(
         "planning_time": planning_time,
         "split": split,
         "multilevel": multilevel,
+        "options": options,
         "calibrator": calibrator,
         "offload": offload,
         "jit_compile": previous["jit_compile"] if previous else model.jit_compile,
@@ -233,7 +250,22 @@ def enable(
 
 
 def disable(model: keras.Model) -> keras.Model:
-    """Undo :func:`enable`: Keras' own train step, fit, train_on_batch and jit_compile setting."""
+    """Undo :func:`enable`: Keras' own train step, fit, train_on_batch and jit_compile setting.
+
+    Parameters
+    ----------
+    model : keras.Model
+        a model given to :func:`enable` (or not).
+
+    Examples
+    --------
+    >>> import keras, numpy as np, memsaving.keras
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> _ = memsaving.keras.enable(model, verbose=False)
+    >>> memsaving.keras.is_enabled(memsaving.keras.disable(model))
+    False
+    """
     settings = model.__dict__.pop(_SETTINGS, None)
     for name in ("train_step", "fit", "train_on_batch", "make_train_function", _PLAN):
         model.__dict__.pop(name, None)
@@ -246,7 +278,22 @@ def disable(model: keras.Model) -> keras.Model:
 
 
 def is_enabled(model: keras.Model) -> bool:
-    """True when ``model`` trains through memsaving."""
+    """True when ``model`` trains through memsaving.
+
+    Parameters
+    ----------
+    model : keras.Model
+        a model given to :func:`enable` (or not).
+
+    Examples
+    --------
+    >>> import keras, numpy as np, memsaving.keras
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> _ = memsaving.keras.enable(model, verbose=False)
+    >>> memsaving.keras.is_enabled(model)
+    True
+    """
     return _SETTINGS in model.__dict__
 
 
@@ -256,6 +303,21 @@ def plan_of(model: keras.Model) -> Optional[Plan]:
     ``plan.batch_size`` is the batch the plan was sized for and
     ``plan.batch_source`` says where that number came from (``"fit(batch_size=8)"``,
     ``"traced input shape"``, ...).
+
+    Parameters
+    ----------
+    model : keras.Model
+        a model given to :func:`enable` (or not).
+
+    Examples
+    --------
+    >>> import keras, numpy as np, memsaving.keras
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> _ = memsaving.keras.enable(model, verbose=False)
+    >>> _ = model.fit(np.ones((8, 4)), np.zeros((8, 1)), batch_size=4, verbose=0)
+    >>> memsaving.keras.plan_of(model).batch_size
+    4
     """
     return model.__dict__.get(_PLAN)
 
@@ -266,6 +328,20 @@ def calibration_of(model: keras.Model) -> Optional[Calibration]:
     ``.rounds`` lists, per measured plan, the budget it was planned for, its
     predicted and its measured peak; ``.chosen`` is the round whose plan
     runs once calibration is over; ``.fits`` says whether it fits.
+
+    Parameters
+    ----------
+    model : keras.Model
+        a model given to :func:`enable` (or not).
+
+    Examples
+    --------
+    >>> import keras, numpy as np, memsaving.keras
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> _ = memsaving.keras.enable(model, verbose=False)
+    >>> memsaving.keras.calibration_of(model) is None  # no budget, no calibration
+    True
     """
     settings = model.__dict__.get(_SETTINGS)
     calibrator = settings and settings.get("calibrator")
@@ -971,7 +1047,7 @@ def _train_step(self: keras.Model, data):
                     loss, weights, checkpoints=settings["checkpoints"], budget=settings["budget"],
                     batch_size=unknown_size, swap=settings["swap"] or None,
                     planning_time=settings["planning_time"], split=settings["split"],
-                    multilevel=settings.get("multilevel", False),
+                    multilevel=settings.get("multilevel", False), **settings.get("options", {}),
                 )
             return grads, plan, made
 

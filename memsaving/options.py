@@ -12,9 +12,12 @@ Defaults come from the records the options configure (:class:`SwapOptions`,
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple
+import warnings
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -36,8 +39,133 @@ OFFLOAD_KEYS = ("offload_params", "offload_device")
 
 ACCEPTED_KEYWORDS = frozenset(PASSED_THROUGH + ("name", "stop_gradients", "unconnected_gradients", "batch_size")
                               + SWAP_KEYS + OFFLOAD_KEYS + ("profile", "follow_order", "planning_time", "split",
-                                                          "multilevel"))
-"""The keywords ``memsaving.gradients`` takes besides ys, xs, grad_ys, checkpoints and budget."""
+                                                          "multilevel", "keep_x_gradients", "swap_options",
+                                                          "offload_options"))
+"""The keywords ``memsaving.gradients_and_plan`` takes besides ys, xs, grad_ys, checkpoints and budget."""
+
+SHARED_DEFAULTS: Mapping[str, Any] = MappingProxyType({
+    "checkpoints": "memory",
+    "budget": None,
+    "swap": None,
+    "split": None,
+    "batch_size": None,
+    "profile": None,
+    "planning_time": DEFAULT_PLANNING_SECONDS,
+    "multilevel": False,
+    "follow_order": None,
+    "keep_x_gradients": False,
+    "offload_params": False,
+    "swap_options": None,
+    "offload_options": None,
+    "flops_per_second": None,
+    "bandwidth": None,
+})
+"""The memsaving options every entry point takes (``gradients``, ``plan``,
+``function``, ``patch``, ``keras.enable``), keyword-only, with these
+defaults: the one place they are defined.  Each signature names them
+(``tests/api/test_options.py`` checks that the five agree with this table)
+and hands them on with :func:`option_keywords`.
+
+* ``checkpoints``: which forward tensors are kept (a list of tensors,
+  ``"collection"``, ``"speed"``, ``"memory"``);
+* ``budget``: bytes or a string such as ``"2GiB"``;
+* ``swap``: host swapping (True, ``"auto"``, tensors; None or False: off);
+* ``split``: ``"auto"`` or ``{op_or_tensor_ref: pieces}``;
+* ``batch_size``: the size of unknown dimensions when predicting memory;
+* ``profile``: measure kernel temporaries and run times (None: decided by
+  the call);
+* ``planning_time``: seconds of simulation a plan may take (None: no limit);
+* ``multilevel``: allow multi-level plans under a budget;
+* ``follow_order``: run the step in the planned order (None: decided by
+  the rewrite);
+* ``keep_x_gradients``: predict as if the gradients are held to the end;
+* ``offload_params``: variables live on the host, copied in before use;
+* ``swap_options`` (:class:`memsaving.tf.swap_rewrite.SwapOptions`) and
+  ``offload_options`` (:class:`memsaving.tf.offload.OffloadOptions`): where
+  and when copies are made;
+* ``flops_per_second``, ``bandwidth``: the device's speeds, for timing swaps.
+"""
+
+DEPRECATED_KEYS: Mapping[str, str] = MappingProxyType({
+    "swap_device": "swap_options=SwapOptions(device=...)",
+    "swap_trigger": "swap_options=SwapOptions(trigger=...) (and offload_options=OffloadOptions(trigger=...))",
+    "swap_lb": "swap_options=SwapOptions(lb=...) (and offload_options=OffloadOptions(lb=...))",
+    "swap_ub": "swap_options=SwapOptions(ub=...) (and offload_options=OffloadOptions(ub=...))",
+    "swap_fuse": "swap_options=SwapOptions(fuse=...) (and offload_options=OffloadOptions(fuse=...))",
+    "swap_backend": "swap_options=SwapOptions(backend=...)",
+    "offload_device": "offload_options=OffloadOptions(device=...)",
+})
+"""The keywords of earlier versions that :func:`accepts_deprecated_keys`
+still takes, each with what replaces it."""
+
+
+def option_keywords(**values: Any) -> Dict[str, Any]:
+    """The options an entry point was given, as the keywords
+    :func:`memsaving.api.gradients_and_plan` and :func:`parse_options` read:
+    those left at None are left out, so that each call decides them.
+
+    Examples
+    --------
+    >>> option_keywords(budget="1GiB", swap=None, multilevel=False)
+    {'budget': '1GiB', 'multilevel': False}
+    """
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def accepts_deprecated_keys(entry_point: Callable[..., Any]) -> Callable[..., Any]:
+    """Let ``entry_point`` (whose signature names every option) still take
+    the ``swap_*``/``offload_device`` keywords of earlier versions, with a
+    ``DeprecationWarning`` that names the replacement: they are folded into
+    ``swap_options``/``offload_options`` before the call.  The signature
+    ``inspect.signature`` reports stays the explicit one.
+
+    Examples
+    --------
+    >>> import warnings
+    >>> @accepts_deprecated_keys
+    ... def enable(*, swap_options=None, offload_options=None):
+    ...     return swap_options.device
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     enable(swap_device="/CPU:0")
+    '/CPU:0'
+    >>> caught[0].category.__name__
+    'DeprecationWarning'
+    """
+    @functools.wraps(entry_point)
+    def with_old_keys(*args: Any, **kwargs: Any) -> Any:
+        old = {key: kwargs.pop(key) for key in list(kwargs) if key in DEPRECATED_KEYS}
+        if old:
+            warnings.warn(
+                f"{entry_point.__qualname__}: {', '.join(sorted(old))} "
+                f"{'is' if len(old) == 1 else 'are'} deprecated; pass "
+                + "; ".join(DEPRECATED_KEYS[key] for key in sorted(old)), DeprecationWarning, stacklevel=2)
+            kwargs.update(_folded(old, kwargs.get("swap_options"), kwargs.get("offload_options")))
+        return entry_point(*args, **kwargs)
+    return with_old_keys
+
+
+def _folded(old: Mapping[str, Any], swap_options: Optional[SwapOptions],
+            offload_options: Optional[OffloadOptions]) -> Dict[str, Any]:
+    """The deprecated keys as ``swap_options``/``offload_options`` (on top of any given)."""
+    defaults = SwapOptions()
+    timing: Dict[str, Any] = {}  # checked as before, with the same messages
+    if "swap_trigger" in old:
+        timing["trigger"] = old["swap_trigger"]
+    for field in ("lb", "ub"):
+        if f"swap_{field}" in old:
+            timing[field] = _swap_distance(old, f"swap_{field}", getattr(defaults, field))
+    if "swap_fuse" in old:
+        timing["fuse"] = _fuse(old, defaults.fuse)
+    swap = dict(timing, **({"device": old["swap_device"]} if "swap_device" in old else {}),
+                **({"backend": old["swap_backend"]} if "swap_backend" in old else {}))
+    offload = dict(timing, **({"device": old["offload_device"]} if "offload_device" in old else {}))
+    folded: Dict[str, Any] = {}
+    if swap:
+        folded["swap_options"] = replace(swap_options or SwapOptions(), **swap)
+    if offload:
+        folded["offload_options"] = replace(offload_options or OffloadOptions(), **offload)
+    return folded
 
 
 @dataclass(frozen=True)
@@ -281,9 +409,16 @@ def _batch_size(value) -> int:
 
 
 def _swap_settings(keywords: Mapping[str, Any]) -> SwapSettings:
-    settings = SwapSettings(swap=_swap(keywords.get("swap")), backend=keywords.get("swap_backend"))
+    given: Optional[SwapOptions] = keywords.get("swap_options")
+    if given is not None and not isinstance(given, SwapOptions):
+        raise TypeError(f"swap_options={given!r} is not supported: give memsaving.SwapOptions(...) or leave it out")
+    backend = keywords.get("swap_backend", given.backend if given is not None else None)
+    settings = SwapSettings(swap=_swap(keywords.get("swap")), backend=backend)
     if not settings.on:
         return settings  # the swap options are read only when swapping is asked for
+    if given is not None:
+        _device({"swap_device": given.device}, "swap_device", given.device)
+        return SwapSettings(swap=settings.swap, emit=given, backend=backend)
     defaults = SwapOptions()
     emit = SwapOptions(
         device=_device(keywords, "swap_device", defaults.device),
@@ -361,6 +496,13 @@ def _offload_settings(keywords: Mapping[str, Any]) -> OffloadSettings:
         return OffloadSettings()
     if keywords.get("split") is not None:
         raise ValueError("split= cannot be combined with offload_params= yet: choose one of them")
+    given = keywords.get("offload_options")
+    if given is not None:
+        if not isinstance(given, OffloadOptions):
+            raise TypeError(f"offload_options={given!r} is not supported: give memsaving.OffloadOptions(...) "
+                            "or leave it out")
+        _device({"offload_device": given.device}, "offload_device", given.device)
+        return OffloadSettings(given)
     defaults = OffloadOptions()
     return OffloadSettings(OffloadOptions(
         device=_device(keywords, "offload_device", defaults.device),

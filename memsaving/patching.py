@@ -36,13 +36,15 @@ from __future__ import annotations
 import contextlib
 import threading
 from types import ModuleType
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import tensorflow as tf
 
 from memsaving.tf.api_modules import gradients_holders
 from memsaving.tf.checkpoints import Checkpoints
-from memsaving.options import ACCEPTED_KEYWORDS
+from memsaving.options import ACCEPTED_KEYWORDS, SHARED_DEFAULTS, accepts_deprecated_keys, option_keywords
+from memsaving.tf.offload import OffloadOptions
+from memsaving.tf.swap_rewrite import SwapOptions
 from memsaving.api import (
     DROP_IN_GRADIENTS,
     ORIGINAL_TF_COMPAT_V1_GRADIENTS,
@@ -144,7 +146,25 @@ def _check_options(checkpoints: Checkpoints, kwargs: Dict[str, Any]) -> None:
                         f"accepted: checkpoints, {', '.join(sorted(_PATCH_OPTIONS))}")
 
 
-def patch(checkpoints: Checkpoints = "memory", **kwargs: Any) -> None:
+@accepts_deprecated_keys
+def patch(
+    checkpoints: Checkpoints = SHARED_DEFAULTS["checkpoints"],
+    *,
+    budget: Optional[Union[int, str]] = SHARED_DEFAULTS["budget"],
+    swap: Any = SHARED_DEFAULTS["swap"],
+    split: Any = SHARED_DEFAULTS["split"],
+    batch_size: Optional[int] = SHARED_DEFAULTS["batch_size"],
+    profile: Optional[bool] = SHARED_DEFAULTS["profile"],
+    planning_time: Optional[float] = SHARED_DEFAULTS["planning_time"],
+    multilevel: bool = SHARED_DEFAULTS["multilevel"],
+    follow_order: Optional[bool] = SHARED_DEFAULTS["follow_order"],
+    keep_x_gradients: bool = SHARED_DEFAULTS["keep_x_gradients"],
+    offload_params: bool = SHARED_DEFAULTS["offload_params"],
+    swap_options: Optional[SwapOptions] = SHARED_DEFAULTS["swap_options"],
+    offload_options: Optional[OffloadOptions] = SHARED_DEFAULTS["offload_options"],
+    flops_per_second: Optional[float] = SHARED_DEFAULTS["flops_per_second"],
+    bandwidth: Optional[float] = SHARED_DEFAULTS["bandwidth"],
+) -> None:
     """Make ``tf.gradients`` and ``tf.compat.v1.gradients`` call memsaving.
 
     Every later call of ``tf.gradients(...)`` / ``tf.compat.v1.gradients(...)``
@@ -177,16 +197,32 @@ def patch(checkpoints: Checkpoints = "memory", **kwargs: Any) -> None:
         no MatMul/Conv or no marked tensor, and every mode raises
         ``UnsupportedGraphError`` on TF1 control flow, exactly as
         :func:`memsaving.gradients` does.
-    **kwargs
-        memsaving options applied to every call: ``budget``,
-        ``batch_size``, ``swap`` and its options.
+    budget, swap, split, batch_size, profile, planning_time, multilevel, follow_order, keep_x_gradients, offload_params, swap_options, offload_options, flops_per_second, bandwidth
+        memsaving options applied to every call, as for
+        :func:`memsaving.gradients` (the same names and defaults on every
+        entry point).  Per-call arguments (``name``, ``stop_gradients``...)
+        come from each ``tf.gradients`` call.
 
     Raises
     ------
     TypeError
         an unknown option, or a per-call tf.gradients argument.
+
+    Examples
+    --------
+    >>> import tensorflow as tf, memsaving
+    >>> memsaving.patch(checkpoints="memory")
+    >>> tf.gradients.__doc__.startswith("tf.gradients replaced by memsaving.patch")
+    True
+    >>> memsaving.unpatch()
     """
     global _active
+    kwargs = option_keywords(
+        budget=budget, swap=swap, split=split, batch_size=batch_size, profile=profile,
+        multilevel=multilevel, follow_order=follow_order, keep_x_gradients=keep_x_gradients,
+        offload_params=offload_params, swap_options=swap_options, offload_options=offload_options,
+        flops_per_second=flops_per_second, bandwidth=bandwidth)
+    kwargs["planning_time"] = planning_time  # None (no limit) is a value here
     _check_options(checkpoints, kwargs)
     with _lock:
         unpatch()
@@ -208,6 +244,13 @@ def unpatch() -> None:
     (the TF1 package's ``tf.__dict__["gradients"] = ...``, before or after
     :func:`patch`), TensorFlow's function is put back instead.  Does nothing
     when neither was done.
+
+    Examples
+    --------
+    >>> import memsaving
+    >>> memsaving.patch()
+    >>> memsaving.unpatch()
+    >>> memsaving.unpatch()  # a second call does nothing
     """
     global _active
     with _lock:
@@ -224,6 +267,19 @@ def patched(checkpoints: Checkpoints = "memory", **kwargs: Any) -> Iterator[None
 
     On exit (also on an exception) the state before the block comes back:
     the originals, or the options of an enclosing patch.
+
+    Parameters
+    ----------
+    checkpoints, **kwargs
+        as for :func:`patch`.
+
+    Examples
+    --------
+    >>> import tensorflow as tf, memsaving
+    >>> with memsaving.patched(checkpoints="memory"):
+    ...     inside = tf.gradients.__doc__.startswith("tf.gradients replaced")
+    >>> inside, tf.gradients.__doc__.startswith("tf.gradients replaced")
+    (True, False)
     """
     with _lock:
         previous = dict(_active) if _active is not None else None

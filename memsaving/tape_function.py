@@ -36,7 +36,7 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, TextIO, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple, Union
 
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe  # pylint: disable=no-name-in-module
@@ -44,10 +44,13 @@ from tensorflow.python.eager import backprop  # pylint: disable=no-name-in-modul
 
 from memsaving.api import check_checkpoints_argument, gradients_and_plan
 from memsaving.fit_budget import WatchedStep, fit_to_budget
+from memsaving.options import SHARED_DEFAULTS, accepts_deprecated_keys, option_keywords
 from memsaving.patching import patched
 from memsaving.planners.budget import parse_bytes
 from memsaving.planners.planning import Plan
 from memsaving.tf.checkpoints import Checkpoints
+from memsaving.tf.offload import OffloadOptions
+from memsaving.tf.swap_rewrite import SwapOptions
 from memsaving.tf.tape_recording import TapeRecord, unrecorded_boundary
 
 _GradientTape = backprop.GradientTape
@@ -55,18 +58,17 @@ _GradientTape = backprop.GradientTape
 
 @dataclass(frozen=True)
 class GradientSettings:
-    """The memsaving options one :func:`function` applies to its gradient calls."""
+    """The memsaving options one :func:`function` applies to its gradient calls:
+    ``checkpoints``, ``budget`` and the others of
+    :data:`memsaving.options.SHARED_DEFAULTS` (in ``others``, unset ones left out)."""
 
-    checkpoints: Checkpoints = "memory"
-    budget: Optional[Union[int, str]] = None
-    swap: Any = None
-    split: Any = None
-    batch_size: Optional[int] = None
+    checkpoints: Checkpoints = SHARED_DEFAULTS["checkpoints"]
+    budget: Optional[Union[int, str]] = SHARED_DEFAULTS["budget"]
+    others: Tuple[Tuple[str, Any], ...] = ()
 
     def keywords(self) -> Dict[str, Any]:
-        """The options as keywords of :func:`memsaving.gradients` (unset ones left out)."""
-        given = {"budget": self.budget, "swap": self.swap, "split": self.split, "batch_size": self.batch_size}
-        return {key: value for key, value in given.items() if value is not None}
+        """The options besides ``checkpoints`` as keywords of :func:`memsaving.gradients`."""
+        return dict(self.others, **({} if self.budget is None else {"budget": self.budget}))
 
 
 @dataclass
@@ -258,7 +260,23 @@ class MemsavingFunction:
     (``get_concrete_function``, ``python_function``, ...) are the
     ``tf.function``'s.  With a budget, the first call calibrates
     (:func:`memsaving.fit_to_budget`) and :attr:`calibration` holds the
-    record.
+    record.  Made by :func:`function`, not constructed directly.
+
+    Parameters
+    ----------
+    python_function
+        the user's step.
+    settings
+        the memsaving options its gradient calls get.
+    tf_function_options
+        the keywords of ``tf.function``.
+
+    Examples
+    --------
+    >>> import tensorflow as tf, memsaving
+    >>> step = memsaving.function(lambda x: x * 2.0)
+    >>> isinstance(step, memsaving.MemsavingFunction), float(step(tf.constant(1.0)))
+    (True, 2.0)
     """
 
     def __init__(self, python_function: Callable[..., Any], settings: GradientSettings,
@@ -326,14 +344,25 @@ class MemsavingFunction:
         return getattr(self._traced, name)
 
 
+@accepts_deprecated_keys
 def function(
     func: Optional[Callable[..., Any]] = None,
     *,
-    checkpoints: Checkpoints = "memory",
-    budget: Optional[Union[int, str]] = None,
-    swap: Any = None,
-    split: Any = None,
-    batch_size: Optional[int] = None,
+    checkpoints: Checkpoints = SHARED_DEFAULTS["checkpoints"],
+    budget: Optional[Union[int, str]] = SHARED_DEFAULTS["budget"],
+    swap: Any = SHARED_DEFAULTS["swap"],
+    split: Any = SHARED_DEFAULTS["split"],
+    batch_size: Optional[int] = SHARED_DEFAULTS["batch_size"],
+    profile: Optional[bool] = SHARED_DEFAULTS["profile"],
+    planning_time: Optional[float] = SHARED_DEFAULTS["planning_time"],
+    multilevel: bool = SHARED_DEFAULTS["multilevel"],
+    follow_order: Optional[bool] = SHARED_DEFAULTS["follow_order"],
+    keep_x_gradients: bool = SHARED_DEFAULTS["keep_x_gradients"],
+    offload_params: bool = SHARED_DEFAULTS["offload_params"],
+    swap_options: Optional[SwapOptions] = SHARED_DEFAULTS["swap_options"],
+    offload_options: Optional[OffloadOptions] = SHARED_DEFAULTS["offload_options"],
+    flops_per_second: Optional[float] = SHARED_DEFAULTS["flops_per_second"],
+    bandwidth: Optional[float] = SHARED_DEFAULTS["bandwidth"],
     input_signature: Optional[Sequence[Any]] = None,
     autograph: bool = True,
     jit_compile: Optional[bool] = None,
@@ -368,8 +397,9 @@ def function(
         step so that its measured peak stays under the budget, approached
         from below (:func:`memsaving.fit_to_budget`, whose rules apply:
         the first call runs the step for real while it measures).
-    swap, split, batch_size
-        as for :func:`memsaving.gradients`.
+    swap, split, batch_size, profile, planning_time, multilevel, follow_order, keep_x_gradients, offload_params, swap_options, offload_options, flops_per_second, bandwidth
+        as for :func:`memsaving.gradients` (the same options, names and
+        defaults on every entry point).
     input_signature, autograph, reduce_retracing, experimental_implements, experimental_autograph_options, experimental_attributes, experimental_follow_type_hints
         as for ``tf.function``.
     jit_compile
@@ -410,8 +440,13 @@ def function(
     check_checkpoints_argument(checkpoints)
     if budget is not None:
         parse_bytes(budget)  # a bad budget fails here, not at the first call
-    settings = GradientSettings(checkpoints=checkpoints, budget=budget, swap=swap, split=split,
-                                batch_size=batch_size)
+    others = option_keywords(swap=swap, split=split, batch_size=batch_size, profile=profile,
+                             multilevel=multilevel, follow_order=follow_order, keep_x_gradients=keep_x_gradients,
+                             offload_params=offload_params, swap_options=swap_options,
+                             offload_options=offload_options, flops_per_second=flops_per_second,
+                             bandwidth=bandwidth)
+    others["planning_time"] = planning_time  # None (no limit) is a value here
+    settings = GradientSettings(checkpoints=checkpoints, budget=budget, others=tuple(others.items()))
     options: Dict[str, Any] = dict(input_signature=input_signature, autograph=autograph, jit_compile=jit_compile,
                                    reduce_retracing=reduce_retracing, experimental_implements=experimental_implements,
                                    experimental_autograph_options=experimental_autograph_options,

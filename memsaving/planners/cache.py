@@ -115,6 +115,27 @@ def remember(key: Hashable, model: GraphModel, outcome: Union[Plan, BudgetError]
 
 
 def clear_plan_cache() -> None:
-    """Forget every remembered plan: the next ``plan`` or ``gradients`` call plans again."""
+    """Forget every remembered plan: the next ``plan`` or ``gradients`` call plans again.
+
+    A plan handed back from memory says so
+    (:attr:`~memsaving.planners.planning.Plan.reused`); after this call, the
+    same graph and arguments are planned afresh.
+
+    Examples
+    --------
+    Without TensorFlow, on a graph model (:mod:`memsaving.model`):
+
+    >>> import memsaving
+    >>> from memsaving.model.graph import chain_model
+    >>> from memsaving.planners.planning import make_plan
+    >>> model = chain_model([4096] * 8)
+    >>> key = (model_key(model), "the arguments that chose the plan")
+    >>> remember(key, model, make_plan(model, [3], "list"))
+    >>> remembered(key, model).reused
+    True
+    >>> memsaving.clear_plan_cache()
+    >>> remembered(key, model) is None
+    True
+    """
     with _lock:
         _plans.clear()

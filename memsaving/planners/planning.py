@@ -47,7 +47,12 @@ ABOVE_PLAIN_MIN_BYTES = 64 * 1024
 class Plan:
     """What memsaving will do for one gradient computation.
 
-    Attributes
+    Plans are made by :func:`memsaving.plan` (while the step is traced),
+    :func:`memsaving.gradients_and_plan` and ``memsaving.keras.plan_of``;
+    each parameter is kept as the attribute of the same name (the
+    attributes' own descriptions below say more of the later ones).
+
+    Parameters
     ----------
     mode
         how checkpoints were chosen ("speed", "memory", "budget", a list...).
@@ -76,6 +81,11 @@ class Plan:
     swapped
         names of the tensors copied to host memory after the forward
         pass and back before the backward pass reads them.
+    swapped_bytes
+        the bytes of each tensor of ``swapped``, in the same order.
+    transfer_seconds
+        the predicted time of one copy of each tensor of ``swapped`` (its
+        bytes over the cost model's bandwidth), in the same order.
     predicted_seconds, plain_seconds
         step time of this plan and of plain
         backprop under the cost model, when swapping was planned.
@@ -83,6 +93,68 @@ class Plan:
         the backward units in execution order as ``(kind, anchor op
         name, op names in topological order)``: exactly what
         ``memsaving.gradients`` copies and differentiates.
+    simulation
+        the simulator's full result for this plan
+        (:class:`memsaving.sim.simulate.Simulation`), None when not kept.
+    batch_size
+        the size given to unknown dimensions when sizing tensors.
+    batch_source
+        where ``batch_size`` came from; empty for the default of 1.
+    never_recomputed
+        forward ops that cannot be copied safely, kept from the forward pass.
+    measured_peak
+        the allocator's peak bytes measured for the step that executes
+        this plan (None when not measured).
+    profile_mode
+        how kernel temporaries entered the predictions: ``"measure"``,
+        ``"cached"`` or ``"off"``.
+    profiled_signatures
+        op signatures measured for this plan.
+    cached_signatures
+        op signatures whose profiles came from the cache.
+    profile_seconds
+        time spent profiling.
+    planning_seconds
+        simulation the planner spent on this plan, in seconds of the
+        ``planning_time`` allowance.
+    planning_stopped
+        the ``planning_time`` at which the planner stopped searching (None:
+        it finished its search).
+    reused
+        whether the plan was remembered from an earlier, identical call
+        instead of planned again.
+    splits
+        the regions computed in pieces of rows.
+    largest_work_buffer
+        bytes of the largest kernel temporary of any op of the step (0 when
+        not profiled).
+    chunk_peak
+        ``predicted_peak`` in the allocator's whole chunks (None when not
+        replayed).
+    planned_for
+        the target the budget planner finally planned for (None outside
+        budget planning).
+    offload
+        the device's predicted peak and step time with parameters offloaded
+        to the host (None without ``offload_params``).
+
+    Examples
+    --------
+    A plan for a graph model (:mod:`memsaving.model`) made without
+    TensorFlow: a chain of eight ops with 4 KiB outputs, keeping the fourth
+    op's output:
+
+    >>> from memsaving.model.graph import chain_model
+    >>> from memsaving.planners.planning import make_plan
+    >>> plan = make_plan(chain_model([4096] * 8), [3], "list")
+    >>> plan.checkpoints, plan.kept_ops
+    (['t4'], ['op4'])
+    >>> plan.predicted_peak, plan.plain_peak, plan.predicted_compute
+    (24576, 36864, 1.125)
+    >>> plan.above_plain
+    False
+
+    ``plan.explain()`` prints the backward units and the predictions.
     """
 
     mode: str

@@ -75,10 +75,40 @@ def measure_peak(fn: Callable[..., Any], *args, device: Optional[str] = None, **
     is ``true`` before TensorFlow starts; ``import memsaving`` sets it when it
     is imported before TensorFlow.
 
+    Parameters
+    ----------
+    fn
+        what to measure: a Python function or a ``tf.function`` (a first
+        call traces it, and the tracing is measured too).
+    *args, **kwargs
+        the arguments ``fn`` is called with.
+    device : str, optional
+        whose allocator to read, such as ``"GPU:0"`` or ``"CPU:0"``
+        (default: the first GPU, else the CPU).
+
+    Returns
+    -------
+    int
+        The allocator's peak bytes in use during the call, counting
+        everything it held (variables, earlier results) as well:
+        :func:`measure_peak_increase` leaves that out.
+
     Raises
     ------
     PeakMemoryUnavailableError
         the device's allocator keeps no statistics.
+
+    Examples
+    --------
+    >>> import tensorflow as tf
+    >>> import memsaving
+    >>> @tf.function
+    ... def step(x):
+    ...     return tf.reduce_sum(tf.tanh(x @ tf.transpose(x)))
+    >>> x = tf.ones([512, 64])
+    >>> _ = step(x)  # trace first, so that the figure is the step's alone
+    >>> memsaving.measure_peak(step, x) >= 512 * 512 * 4  # the 1 MiB product was held
+    True
     """
     device = device or default_device()
     reset_peak(device)
@@ -137,6 +167,44 @@ def measure_peak_increase(fn: Callable[..., Any], *args, device: Optional[str] =
     The allocator's peak includes everything allocated earlier, such as model
     variables and results still alive; this is the memory the call itself
     needed (activations, gradients, temporaries).
+
+    Parameters
+    ----------
+    fn
+        what to measure: a Python function or a ``tf.function``.
+    *args, **kwargs
+        the arguments ``fn`` is called with.
+    device : str, optional
+        whose allocator to read (default: the first GPU, else the CPU).
+
+    Returns
+    -------
+    int
+        The peak bytes during the call less the bytes in use just before it.
+
+    Raises
+    ------
+    PeakMemoryUnavailableError
+        the device's allocator keeps no statistics.
+
+    Examples
+    --------
+    A variable held before the call counts in :func:`measure_peak`'s
+    figure, not in this one:
+
+    >>> import tensorflow as tf
+    >>> import memsaving
+    >>> held = tf.Variable(tf.zeros([1024, 1024]))  # 4 MiB
+    >>> @tf.function
+    ... def step(x):
+    ...     return tf.reduce_sum(tf.tanh(x @ tf.transpose(x)))
+    >>> x = tf.ones([512, 64])
+    >>> _ = step(x)
+    >>> increase = memsaving.measure_peak_increase(step, x)
+    >>> increase >= 512 * 512 * 4, increase < 4 * 1024 * 1024
+    (True, True)
+    >>> memsaving.measure_peak(step, x) >= 4 * 1024 * 1024
+    True
     """
     device = device or default_device()
     reset_peak(device)  # raises when the allocator keeps no statistics

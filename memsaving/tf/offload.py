@@ -71,17 +71,23 @@ from memsaving.tf.swap_rewrite import gated_copy
 
 @dataclass(frozen=True)
 class OffloadOptions:
-    """How offloaded parameters are copied (see the module docstring).
+    """How offloaded parameters are copied (see the module docstring):
+    ``offload_options=`` of every entry point (``memsaving.OffloadOptions``).
 
-    Attributes
+    Parameters
     ----------
     device
-        the host device the variables live on (``offload_device``).
+        the host device the variables live on.
     accelerator
         where copies are made for readers with no device of their own
         (None: the first GPU, else the CPU).
     trigger, lb, ub, fuse, fuse_levels
         as for swap-ins (:class:`memsaving.tf.swap_rewrite.SwapOptions`).
+
+    Examples
+    --------
+    >>> OffloadOptions(device="/CPU:0").trigger
+    'direct'
     """
 
     device: str = "/CPU:0"

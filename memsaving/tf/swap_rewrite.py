@@ -38,7 +38,7 @@ host, before the send, is what delays the transfer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -55,7 +55,33 @@ from memsaving.model.swapping import (SWAP_FUSE_LEVELS, SWAP_IN_LATEST, SWAP_IN_
 
 @dataclass(frozen=True)
 class SwapOptions:
-    """How swaps are emitted (see the module docstring)."""
+    """How swaps are emitted (see the module docstring): ``swap_options=`` of
+    every entry point (``memsaving.SwapOptions``).
+
+    Parameters
+    ----------
+    device
+        the host device tensors are copied to.
+    trigger
+        what starts a swap-in: ``"direct"`` (after the op ``lb`` levels
+        before its reader) or another trigger of the swap module.
+    lb, ub
+        how many topological levels before its reader a swap-in may start,
+        at least and at most.
+    fuse
+        readers close together share one copy.
+    fuse_levels
+        how close (in levels) readers must be to share a copy.
+    out_slack
+        levels a swap-out may wait after its tensor is made.
+    backend
+        how copies are made (None: TensorFlow's Snapshot ops).
+
+    Examples
+    --------
+    >>> SwapOptions(lb=2).device
+    '/CPU:0'
+    """
 
     device: str = "/CPU:0"
     trigger: str = "direct"
@@ -64,6 +90,8 @@ class SwapOptions:
     fuse: bool = True
     fuse_levels: int = SWAP_FUSE_LEVELS
     out_slack: int = SWAP_OUT_SLACK
+    backend: Any = None
+    """How copies are made (None: TensorFlow's Snapshot ops; tests pass a recording backend)."""
 
     def __post_init__(self):
         check_copy_timing("swap", self.trigger, self.lb, self.ub)

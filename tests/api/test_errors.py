@@ -81,7 +81,7 @@ def test_checkpoint_after_ys_is_rejected():
 def test_empty_collection_says_how_to_mark():
     @tf.function
     def step(x):
-        return memsaving.gradients(tf.reduce_sum(tanh_mlp(x, W)), W)
+        return memsaving.gradients(tf.reduce_sum(tanh_mlp(x, W)), W, checkpoints="collection")
 
     with pytest.raises(memsaving.CheckpointError, match="memsaving.checkpoint"):
         step.get_concrete_function(tf.TensorSpec([2, 4]))

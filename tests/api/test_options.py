@@ -1,12 +1,15 @@
 """The keywords of memsaving.gradients and memsaving.plan, parsed once (memsaving.options)."""
 
+import inspect
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import memsaving
+import memsaving.keras as memsaving_keras
 from helpers import mlp_weights, tanh_mlp
-from memsaving.options import ACCEPTED_KEYWORDS, parse_options
+from memsaving.options import ACCEPTED_KEYWORDS, SHARED_DEFAULTS, accepts_deprecated_keys, parse_options
 from memsaving.sim.swap import CostModel
 from memsaving.tf.swap_rewrite import SwapOptions
 
@@ -69,8 +72,65 @@ def test_every_accepted_keyword_is_parsed():
                      "swap", "swap_device", "swap_trigger", "swap_lb", "swap_ub", "swap_fuse", "swap_backend",
                      "bandwidth", "flops_per_second", "gate_gradients", "aggregation_method",
                      "colocate_gradients_with_ops", "planning_time", "split", "offload_params", "offload_device",
-                     "multilevel"}
+                     "multilevel", "keep_x_gradients", "swap_options", "offload_options"}
     assert ACCEPTED_KEYWORDS == parsed_fields
+
+
+ENTRY_POINTS = {
+    "gradients": lambda: memsaving.gradients,
+    "plan": lambda: memsaving.plan,
+    "function": lambda: memsaving.function,
+    "patch": lambda: memsaving.patch,
+    "keras.enable": lambda: memsaving_keras.enable,
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENTRY_POINTS))
+def test_every_entry_point_names_the_shared_options_with_their_defaults_and_no_kwargs(name):
+    parameters = inspect.signature(ENTRY_POINTS[name]()).parameters
+    assert not [p for p in parameters.values() if p.kind == inspect.Parameter.VAR_KEYWORD], name
+    for option, default in SHARED_DEFAULTS.items():
+        assert option in parameters, f"{name} lacks {option}="
+        assert parameters[option].default == default, (name, option, parameters[option].default, default)
+        if option != "checkpoints" or name != "patch":  # patch("memory") stays positional, as before
+            assert parameters[option].kind == inspect.Parameter.KEYWORD_ONLY, (name, option)
+
+
+def test_the_deprecated_swap_and_offload_keys_still_work_with_a_warning():
+    w = [tf.Variable(tf.fill([8, 8], 0.1)) for _ in range(4)]
+
+    def loss(x):
+        h = x
+        for v in w:
+            h = tf.tanh(h @ v)
+        return tf.reduce_sum(h)
+
+    def predicted_peak(**options):
+        found = []
+
+        @tf.function
+        def step(x):
+            found.append(memsaving.plan(loss(x), w, checkpoints=[], swap=True, profile=False, **options))
+            return x
+
+        step.get_concrete_function(tf.TensorSpec([4, 8]))
+        return found[0].predicted_peak, found[0].swap_options if hasattr(found[0], "swap_options") else None
+
+    with pytest.warns(DeprecationWarning, match=r"swap_device, swap_lb are deprecated; pass swap_options"):
+        old = predicted_peak(swap_lb=2, swap_device="/CPU:0")
+    new = predicted_peak(swap_options=memsaving.SwapOptions(lb=2, device="/CPU:0"))
+    assert old == new
+
+    @accepts_deprecated_keys
+    def folded(*, swap_options=None, offload_options=None):
+        return swap_options, offload_options
+
+    with pytest.warns(DeprecationWarning, match="offload_device"):
+        swap, offload = folded(swap_lb=2, swap_fuse=False, swap_device="/CPU:0", offload_device="/CPU:0")
+    assert swap == SwapOptions(lb=2, fuse=False, device="/CPU:0")
+    assert offload == memsaving.OffloadOptions(lb=2, fuse=False, device="/CPU:0")
+    with pytest.raises(TypeError, match="swap_options"):
+        parse_options({"swap": True, "swap_options": {"lb": 2}})
 
 
 def test_one_stop_gradient_tensor_as_tf_gradients_takes_it():
