@@ -572,7 +572,7 @@ def check_checkpoints_argument(checkpoints) -> None:
     except TypeError:
         raise TypeError(
             f"checkpoints={checkpoints!r} is not supported: pass a list of tensors, or one of "
-            "'collection' (the default), 'speed', 'memory'; use checkpoints=[] to keep nothing extra"
+            "'memory' (the default), 'speed', 'collection'; use checkpoints=[] to keep nothing extra"
         ) from None
     if isinstance(checkpoints, (list, tuple)):
         for position, element in enumerate(checkpoints):

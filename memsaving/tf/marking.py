@@ -36,7 +36,7 @@ def checkpoint(tensor: T) -> T:
 
     Use it inline in model code: ``h = memsaving.checkpoint(tf.nn.relu(h))``.
     Marked tensors are kept from the forward pass; with
-    ``checkpoints="collection"`` (the default of :func:`memsaving.gradients`)
+    ``checkpoints="collection"`` (or :func:`memsaving.gradients_collection`)
     everything between two marked tensors is recomputed during backprop.
 
     In eager mode there is no graph to rewrite, so the call does nothing; the

@@ -89,7 +89,7 @@ def test_empty_collection_says_how_to_mark():
 
 @pytest.mark.parametrize("checkpoints", [None, 5, 2.5])
 def test_checkpoints_of_the_wrong_type(checkpoints):
-    with pytest.raises(TypeError, match=r"pass a list of tensors, or one of 'collection'"):
+    with pytest.raises(TypeError, match=r"pass a list of tensors, or one of 'memory' \(the default\)"):
         _trace(lambda x: memsaving.gradients(_loss(x), W, checkpoints=checkpoints))
 
 
