@@ -40,7 +40,7 @@ from memsaving.tf.order import pin_step
 from memsaving.tf.rewrite import BackwardBuilder
 from memsaving.model.schedule import kept_set
 from memsaving.options import (ACCEPTED_KEYWORDS, SHARED_DEFAULTS, Options, accepts_deprecated_keys, option_keywords,
-                               parse_options)
+                               parse_options, shared_options)
 from memsaving.sim.allowance import planning_allowance
 from memsaving.sim.simulate import collector_paused
 from memsaving.sim.swap import swap_candidates
@@ -276,15 +276,11 @@ def gradients(
     With a budget instead (``budget="2GiB"``), the checkpoints are chosen
     so that the predicted peak fits; :func:`plan` shows the plan.
     """
-    keywords = option_keywords(
+    keywords = shared_options(locals(), leave_out=("checkpoints", "budget"))
+    keywords.update(option_keywords(
         name=name, gate_gradients=gate_gradients, aggregation_method=aggregation_method,
         stop_gradients=stop_gradients, unconnected_gradients=unconnected_gradients,
-        colocate_gradients_with_ops=colocate_gradients_with_ops, swap=swap, split=split, batch_size=batch_size,
-        profile=profile, planning_time=planning_time, multilevel=multilevel, follow_order=follow_order,
-        keep_x_gradients=keep_x_gradients, offload_params=offload_params, swap_options=swap_options,
-        offload_options=offload_options, flops_per_second=flops_per_second, bandwidth=bandwidth)
-    if planning_time is None:
-        keywords["planning_time"] = None  # no limit, which option_keywords would drop
+        colocate_gradients_with_ops=colocate_gradients_with_ops))
     return gradients_and_plan(ys, xs, grad_ys, checkpoints, budget, **keywords)[0]
 
 
@@ -874,12 +870,8 @@ def plan(
     ys, xs = _as_list(ys), _as_list(xs)
     _check_tensors(ys, "ys")
     _check_tensors(xs, "xs")
-    options = parse_options(dict(
-        option_keywords(stop_gradients=stop_gradients, swap=swap, split=split, batch_size=batch_size,
-                        multilevel=multilevel, follow_order=follow_order, keep_x_gradients=keep_x_gradients,
-                        offload_params=offload_params, swap_options=swap_options, offload_options=offload_options,
-                        flops_per_second=flops_per_second, bandwidth=bandwidth),
-        profile=True if profile is None else profile, planning_time=planning_time))
+    options = parse_options(dict(shared_options(locals(), leave_out=("checkpoints", "budget", "profile")),
+                                 stop_gradients=stop_gradients, profile=True if profile is None else profile))
     ys, xs = _graph_tensors(ys, xs)
     return _plan(ys, xs, checkpoints, budget, options, shown=True)[1]
 

@@ -112,6 +112,24 @@ def option_keywords(**values: Any) -> Dict[str, Any]:
     return {key: value for key, value in values.items() if value is not None}
 
 
+def shared_options(values: Mapping[str, Any], leave_out: Tuple[str, ...] = ()) -> Dict[str, Any]:
+    """The options of :data:`SHARED_DEFAULTS` among ``values`` (an entry
+    point's ``locals()``), less ``leave_out``, as :func:`option_keywords`
+    gives them; ``planning_time`` is kept when None (no limit), which the
+    call would otherwise read as its default.
+
+    Examples
+    --------
+    >>> shared_options({"budget": "1GiB", "swap": None, "planning_time": None, "ys": 1}, leave_out=("checkpoints",))
+    {'budget': '1GiB', 'planning_time': None}
+    """
+    given = {key: values[key] for key in SHARED_DEFAULTS if key in values and key not in leave_out}
+    kept = option_keywords(**given)
+    if "planning_time" in given:
+        kept["planning_time"] = given["planning_time"]
+    return kept
+
+
 def accepts_deprecated_keys(entry_point: Callable[..., Any]) -> Callable[..., Any]:
     """Let ``entry_point`` (whose signature names every option) still take
     the ``swap_*``/``offload_device`` keywords of earlier versions, with a

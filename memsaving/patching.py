@@ -42,7 +42,7 @@ import tensorflow as tf
 
 from memsaving.tf.api_modules import gradients_holders
 from memsaving.tf.checkpoints import Checkpoints
-from memsaving.options import ACCEPTED_KEYWORDS, SHARED_DEFAULTS, accepts_deprecated_keys, option_keywords
+from memsaving.options import ACCEPTED_KEYWORDS, SHARED_DEFAULTS, accepts_deprecated_keys, shared_options
 from memsaving.tf.offload import OffloadOptions
 from memsaving.tf.swap_rewrite import SwapOptions
 from memsaving.api import (
@@ -217,12 +217,7 @@ def patch(
     >>> memsaving.unpatch()
     """
     global _active
-    kwargs = option_keywords(
-        budget=budget, swap=swap, split=split, batch_size=batch_size, profile=profile,
-        multilevel=multilevel, follow_order=follow_order, keep_x_gradients=keep_x_gradients,
-        offload_params=offload_params, swap_options=swap_options, offload_options=offload_options,
-        flops_per_second=flops_per_second, bandwidth=bandwidth)
-    kwargs["planning_time"] = planning_time  # None (no limit) is a value here
+    kwargs = shared_options(locals(), leave_out=("checkpoints",))
     _check_options(checkpoints, kwargs)
     with _lock:
         unpatch()

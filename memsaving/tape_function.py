@@ -44,7 +44,7 @@ from tensorflow.python.eager import backprop  # pylint: disable=no-name-in-modul
 
 from memsaving.api import check_checkpoints_argument, gradients_and_plan
 from memsaving.fit_budget import WatchedStep, fit_to_budget
-from memsaving.options import SHARED_DEFAULTS, accepts_deprecated_keys, option_keywords
+from memsaving.options import SHARED_DEFAULTS, accepts_deprecated_keys, shared_options
 from memsaving.patching import patched
 from memsaving.planners.budget import parse_bytes
 from memsaving.planners.planning import Plan
@@ -440,12 +440,7 @@ def function(
     check_checkpoints_argument(checkpoints)
     if budget is not None:
         parse_bytes(budget)  # a bad budget fails here, not at the first call
-    others = option_keywords(swap=swap, split=split, batch_size=batch_size, profile=profile,
-                             multilevel=multilevel, follow_order=follow_order, keep_x_gradients=keep_x_gradients,
-                             offload_params=offload_params, swap_options=swap_options,
-                             offload_options=offload_options, flops_per_second=flops_per_second,
-                             bandwidth=bandwidth)
-    others["planning_time"] = planning_time  # None (no limit) is a value here
+    others = shared_options(locals(), leave_out=("checkpoints", "budget"))
     settings = GradientSettings(checkpoints=checkpoints, budget=budget, others=tuple(others.items()))
     options: Dict[str, Any] = dict(input_signature=input_signature, autograph=autograph, jit_compile=jit_compile,
                                    reduce_retracing=reduce_retracing, experimental_implements=experimental_implements,

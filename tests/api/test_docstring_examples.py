@@ -49,6 +49,7 @@ EXAMPLES = {
     "OffloadOptions": memsaving.tf.offload.OffloadOptions,
     "options.accepts_deprecated_keys": memsaving.options.accepts_deprecated_keys,
     "options.option_keywords": memsaving.options.option_keywords,
+    "options.shared_options": memsaving.options.shared_options,
 }
 """Public names whose Examples use TensorFlow (the planning side's, Plan and
 clear_plan_cache among them, run in tests/model/test_module_examples.py)."""
