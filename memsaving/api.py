@@ -12,43 +12,36 @@ import gc
 import logging
 import warnings
 from dataclasses import replace
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.ops import control_flow_util, resource_variable_ops
 from tensorflow.python.ops import gradients_impl as _gradients_impl
 
-from memsaving.candidates import cuts as candidates
-from memsaving.planners.budget import no_plan_fits, parse_bytes, plan_for_budget
+from memsaving.planners.budget import parse_bytes
 from memsaving.tf.checkpoints import MODES, Checkpoints, resolve_checkpoints
-from memsaving.planners.modes import memory_proposal, speed_proposal
-from memsaving.errors import BudgetError, CheckpointError, PlanWarning, feasible_budget
-from memsaving import fit_budget as _calibration
-from memsaving.planners.chunk_fit import fit_in_chunks
+from memsaving.errors import BudgetError, CheckpointError, PlanWarning
 from memsaving.planners.known_error import HEADROOM, KNOWN_ERROR
-from memsaving.fit_budget import refusal
+from memsaving.fit_budget import PlanningTarget, active_target, planning_budget, refusal
 from memsaving.tf.api_modules import stop_caching_gradients
 from memsaving.tf.extract import graph_model
 from memsaving.tf.forward import forward_graph, is_tensor_like, ops_made_in
 from memsaving.tf.measure import bytes_in_use
 from memsaving.planners.cache import model_key, remember, remembered
-from memsaving.planners.planning import Plan, make_plan
-from memsaving.planners.hybrid import plan_hybrid
+from memsaving.planners.planning import Plan
+from memsaving.planners.registry import NAMED_MODES, PlanRequest, make_plan_for
 from memsaving.tf.loop_pinning import pin_loop_iterations
 from memsaving.tf.order import pin_step
 from memsaving.tf.rewrite import BackwardBuilder
-from memsaving.model.schedule import kept_set
 from memsaving.options import (ACCEPTED_KEYWORDS, SHARED_DEFAULTS, Options, accepts_deprecated_keys, option_keywords,
                                parse_options, shared_options)
 from memsaving.sim.allowance import planning_allowance
 from memsaving.sim.simulate import collector_paused
-from memsaving.sim.swap import swap_candidates
 from memsaving.tf.offload import OffloadOptions
 from memsaving.tf.swap_rewrite import SwapOptions, insert_swaps
 from memsaving.offload import offload_step
 from memsaving.tf.split_rewrite import SplitEmitter
-from memsaving.planners.splits import auto_split, explicit_split
 
 logger = logging.getLogger("memsaving")
 
@@ -286,7 +279,8 @@ def gradients(
 
 @_do_not_convert
 def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = SHARED_DEFAULTS["checkpoints"], budget=None,
-                       probe: Optional[Callable] = None, **kwargs) -> Tuple[list, Plan]:
+                       probe: Optional[Callable] = None, planning: Optional[PlanningTarget] = None,
+                       **kwargs) -> Tuple[list, Plan]:
     """:func:`gradients` and the :class:`Plan` it executed (planned once).
 
     Parameters
@@ -297,6 +291,11 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = SHARED_D
         ``probe(label, tensors)``, when given, is called after each backward
         unit is built, with the unit's results (used by
         :mod:`memsaving.tools.memory_timeline` to read the allocator between units).
+    planning
+        a calibration's record for this step
+        (:class:`memsaving.fit_budget.PlanningTarget`): the target to plan
+        for, and where the plan made is recorded.  None: the one entered by
+        :func:`memsaving.fit_budget.planning_target` around the trace, if any.
     **kwargs
         the other keywords of :func:`gradients`, by name.
 
@@ -364,9 +363,11 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = SHARED_D
     with tf.name_scope(options.gradient.name), collector_paused():
         ys, xs = _graph_tensors(ys, xs)
         grad_ys = _graph_grad_ys(grad_ys, ys)
-        fwd, plan_, model = _plan(ys, xs, checkpoints, budget, options,
+        planning = planning if planning is not None else active_target()
+        fwd, plan_, model = _plan(ys, xs, checkpoints, budget, options, planning,
                                   seeded_with_ones=all(g is None for g in grad_ys))
-        _calibration.record_plan(plan_)  # memsaving.fit_to_budget collects the plans of the step it traces
+        if planning is not None:
+            planning.record(plan_)  # the calibration judges the plans of the step it traced
         if plan_.above_plain:
             warnings.warn(plan_.above_plain_advice(), PlanWarning, stacklevel=3)
         by_name = {op.name: op for op in fwd.ops}
@@ -400,8 +401,10 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = SHARED_D
             insert_swaps(made, [by_tensor[n] for n in plan_.swapped],
                          options.swap.emit, options.swap.backend, forward=fwd.ops)
         if options.offload.on:
-            offload_step(list(made), [g for g in result if g is not None] + list(ys), options.offload.emit,
-                         model=model, plan=plan_, cost=options.cost_model(), graph=graph)
+            offloaded = offload_step(list(made), [g for g in result if g is not None] + list(ys),
+                                     options.offload.emit, model=model, plan=plan_, cost=options.cost_model(),
+                                     graph=graph)
+            plan_ = replace(plan_, offload=offloaded.prediction)
     logger.info(
         "memsaving.gradients: %d forward ops, %d checkpoints, %d segments, %d ops recomputed; "
         "predicted peak %.1f MiB (plain %.1f MiB)",
@@ -494,63 +497,6 @@ def _captured_in(x, graph):
     return x
 
 
-def _swapped(swap, fwd, model, chosen, inner=None) -> list:
-    """Tensor ids of ``model`` to swap for the ``swap=`` argument (checked
-    by :mod:`memsaving.options`: off, True, or tensors)."""
-    if swap is None or swap is False:
-        return []
-    possible = swap_candidates(model, kept_set(model, chosen), inner)
-    if swap is True:
-        return possible
-    ids = {info.name: t for t, info in model.tensors.items()}
-    wanted = []
-    for tensor in _as_list(swap):
-        name = tensor.name
-        if name not in ids or ids[name] not in possible:
-            raise CheckpointError(
-                f"cannot swap {name!r}: only tensors of numbers the backward pass reads from the forward "
-                "pass can be swapped (checkpoints, and inputs of ops differentiated in place; not a loop's "
-                "TensorLists); recomputed tensors never stay on the device between the two passes"
-            )
-        wanted.append(ids[name])
-    return wanted
-
-
-def _checkpoint_ops(checkpoints, fwd, model) -> List[int]:
-    """The ops whose outputs ``checkpoints`` keeps: the named modes are
-    planned on the model, the other forms name tensors of the graph."""
-    if isinstance(checkpoints, str) and checkpoints == "speed":
-        return speed_proposal(model).checkpoint_ops
-    if isinstance(checkpoints, str) and checkpoints == "memory":
-        return memory_proposal(model).checkpoint_ops
-    return resolve_checkpoints(checkpoints, fwd, model)
-
-
-def _candidate_pool(checkpoints, fwd, model) -> tuple:
-    """Candidate cuts for budget planning (and their bytes for Chen's greedy)."""
-    if isinstance(checkpoints, str) and checkpoints == "speed":
-        return candidates.speed(model), None
-    if isinstance(checkpoints, str):
-        ranked = candidates.memory_candidates(model)
-        return [cut for cut, _ in ranked], [b for _, b in ranked]
-    return _checkpoint_ops(checkpoints, fwd, model), None
-
-
-def _hybrid_plan(model, fwd, checkpoints, budget, options: Options, or_lowest: bool = False) -> Plan:
-    """``swap="auto"``: keep / swap / recompute chosen together (memsaving.planners.hybrid)."""
-    if budget is None:
-        raise ValueError("swap='auto' chooses between recomputing and swapping under a memory budget: "
-                         "pass budget= as well (e.g. budget='2GiB'), or use swap=True")
-    budget_bytes = parse_bytes(budget)
-    pool, cut_bytes = _candidate_pool(checkpoints, fwd, model)
-    cost = options.cost_model()
-    keep_x = options.planner.keep_x_gradients
-    result = plan_hybrid(model, pool, budget_bytes, cost=cost, keep_x_gradients=keep_x, cut_bytes=cut_bytes,
-                         or_lowest=or_lowest)
-    return make_plan(model, result.best.checkpoint_ops, "hybrid", budget=budget_bytes, keep_x_gradients=keep_x,
-                     swapped=result.best.swapped, cost=cost, inplace=True)
-
-
 def check_checkpoints_argument(checkpoints) -> None:
     """``checkpoints=None`` or a number would fail deep inside with "object is
     not iterable", and a list of numbers with a CheckpointError about the
@@ -592,21 +538,22 @@ def _profile_mode(profile, checkpoints, budget) -> str:
     return "measure" if profile else "off"
 
 
-def _plan(ys, xs, checkpoints, budget, options: Options, seeded_with_ones: bool = True,
-          shown: bool = False) -> tuple:
+def _plan(ys, xs, checkpoints, budget, options: Options, planning: Optional[PlanningTarget],
+          seeded_with_ones: bool = True, shown: bool = False) -> tuple:
     """Forward graph, plan and the graph model it was made on, shared by
-    ``gradients`` and ``plan`` (``seeded_with_ones``: no ``grad_ys`` were
-    given; ``shown``: the plan is made to be shown, by ``plan``)."""
+    ``gradients`` and ``plan`` (``planning``: a calibration's record, or
+    None; ``seeded_with_ones``: no ``grad_ys`` were given; ``shown``: the
+    plan is made to be shown, by ``plan``)."""
     check_checkpoints_argument(checkpoints)
     fwd = forward_graph(xs, ys, list(options.gradient.stop_gradients))
     batch_size = options.planner.batch_size
     profile = _profile_mode(options.planner.profile, checkpoints, budget)
-    in_use = _in_use_before_the_step(collect=budget is not None or shown)
+    in_use = _in_use_before_the_step(collect=budget is not None or shown, held=planning.held if planning else 0)
     model = graph_model(fwd, batch_size=batch_size, profile=profile, seeded_with_ones=seeded_with_ones,
                         in_use_bytes=in_use, rows=options.planner.split is not None)
     # the budget less room for the model's known error, or a calibration's target (fit_to_budget, Keras)
-    planned_for = _calibration.planning_budget(budget, model.resident_bytes)
-    or_lowest = _calibration.planning_or_lowest()
+    planned_for = planning_budget(budget, model.resident_bytes, planning)
+    or_lowest = planning is not None and planning.or_lowest
     key = _cache_key(model, checkpoints, planned_for, options, or_lowest)
     plan_ = remembered(key, model) if key is not None else None
     if plan_ is None:
@@ -615,20 +562,18 @@ def _plan(ys, xs, checkpoints, budget, options: Options, seeded_with_ones: bool 
                 with collector_paused():
                     fwd, plan_ = _plan_for_model(fwd, model, checkpoints, planned_for, options, or_lowest)
             except BudgetError as error:
-                if budget is not None and not _calibration.calibrating():
+                if budget is not None and not (planning is not None and planning.calibrating):
                     error = _within_known_error(error, parse_bytes(budget), model.resident_bytes)
                 if key is not None:
                     remember(key, model, error)
                 raise error from None
-        plan_.planning_seconds = allowance.spent_seconds
-        plan_.planning_stopped = options.planner.planning_time if allowance.stopped else None
+        plan_ = replace(plan_, planning_seconds=allowance.spent_seconds,
+                        planning_stopped=options.planner.planning_time if allowance.stopped else None)
         if key is not None:
             remember(key, model, plan_)
-            plan_ = replace(plan_)  # the caller's copy: what is set below is not remembered
-    if budget is not None:
-        plan_.budget = parse_bytes(budget)  # the budget asked for; the predicted peak fits the lower one
-    plan_.batch_size = batch_size
-    plan_.batch_source = "batch_size=" if options.planner.batch_size_given else ""
+    # the budget asked for (the predicted peak fits the lower one planned for), and the batch sized for
+    plan_ = replace(plan_, budget=plan_.budget if budget is None else parse_bytes(budget), batch_size=batch_size,
+                    batch_source="batch_size=" if options.planner.batch_size_given else "")
     return fwd, plan_, model
 
 
@@ -647,9 +592,11 @@ def _within_known_error(error: BudgetError, budget: int, resident: int) -> Budge
                              "plan once.")
 
 
-def _in_use_before_the_step(collect: bool) -> int:
-    """The bytes the device holds now, which every predicted peak counts;
-    with ``collect``, after collecting garbage (even with the collector off).
+def _in_use_before_the_step(collect: bool, held: int = 0) -> int:
+    """The bytes the device holds now, which every predicted peak counts,
+    less ``held`` (room a calibration holds while the step is traced, which
+    the step will not find in use); with ``collect``, after collecting
+    garbage (even with the collector off).
 
     Objects no longer reachable but not yet collected (steps traced, run and
     dropped, the frames of an error caught and let go) can hold device
@@ -662,8 +609,7 @@ def _in_use_before_the_step(collect: bool) -> int:
     decides what fits (a budget) or is asked for (``plan``) only."""
     if collect:
         gc.collect()
-    # a calibration measuring with its room held (Keras traces the step after holding it)
-    return max(bytes_in_use() - _calibration.room_held_while_planning(), 0)
+    return max(bytes_in_use() - held, 0)
 
 
 def _cache_key(model, checkpoints, budget, options: Options, or_lowest: bool):
@@ -687,28 +633,30 @@ def _cache_key(model, checkpoints, budget, options: Options, or_lowest: bool):
 
 
 def _plan_for_model(fwd, model, checkpoints, budget, options: Options, or_lowest: bool = False) -> tuple:
-    """The plan for ``model`` (the sized graph model of ``fwd``); with ``or_lowest``, a budget
-    nothing fits gets the lowest plan found instead of a BudgetError.  With ``split``, the regions
-    it asks for (or that the planner chooses) are folded first (:mod:`memsaving.planners.splits`)."""
+    """``(fwd, plan)`` for ``model`` (the sized graph model of ``fwd``): the
+    arguments resolved against the graph, and the planner the registry's
+    rule picks (:mod:`memsaving.planners.registry`); with ``or_lowest``, a
+    budget nothing fits gets the lowest plan found instead of a BudgetError."""
+    return fwd, make_plan_for(_plan_request(fwd, model, checkpoints, budget, options, or_lowest))
+
+
+def _plan_request(fwd, model, checkpoints, budget, options: Options, or_lowest: bool) -> PlanRequest:
+    """The call's arguments with their tensors and names turned into the
+    graph model's op and tensor indices: what the planners see."""
+    label = checkpoints if isinstance(checkpoints, str) else "list"
+    # a budget plans "collection" over the memory mode's candidates: its marks are read only without one
+    wanted = label == "list" or (label not in NAMED_MODES and budget is None)
+    named = tuple(model.ops[i].name for i in resolve_checkpoints(checkpoints, fwd, model)) if wanted else ()
+    swap = options.swap.swap
+    if options.swap.on and swap is not True and swap != "auto":
+        swap = tuple(tensor.name for tensor in _as_list(swap))
     split = options.planner.split
-    if split is None:
-        return _unsplit_plan(fwd, model, checkpoints, budget, options, or_lowest)
-    if options.swap.on:
-        raise ValueError("split= cannot be combined with swap= yet: choose one of them")
-
-    def plan_model(candidate, lowest: bool = or_lowest):
-        return _unsplit_plan(fwd, candidate, checkpoints, budget, options, lowest)[1]
-
-    if split == "auto":
-        if not or_lowest or budget is None:
-            return fwd, auto_split(model, plan_model, budget is not None)
-        # a plan that does not fit must not pass for one that does: the lowest comes only when none fits
-        try:
-            return fwd, auto_split(model, lambda candidate: plan_model(candidate, lowest=False), True)
-        except BudgetError:
-            return fwd, auto_split(model, plan_model, has_budget=False)
-    seeds = _split_seeds(split, fwd, model, options.gradient.stop_gradients)
-    return fwd, plan_model(explicit_split(model, seeds))
+    if split is not None and split != "auto":
+        split = tuple(_split_seeds(split, fwd, model, options.gradient.stop_gradients))
+    return PlanRequest(model, checkpoints=label, named_ops=named, budget=None if budget is None else parse_bytes(budget),
+                       swap=swap if options.swap.on else None, split=split,
+                       keep_x_gradients=options.planner.keep_x_gradients, multilevel=options.planner.multilevel,
+                       cost=options.cost_model(), or_lowest=or_lowest)
 
 
 def _split_seeds(split: tuple, fwd, model, stop_gradients) -> list:
@@ -734,70 +682,6 @@ def _split_seeds(split: tuple, fwd, model, stop_gradients) -> list:
             raise CheckpointError(f"cannot split {op.name}: its output is one of stop_gradients")
         seeds.append((index[op.name], pieces))
     return seeds
-
-
-def _unsplit_plan(fwd, model, checkpoints, budget, options: Options, or_lowest: bool = False) -> tuple:
-    """:func:`_plan_for_model` on a model whose regions, if any, are folded already."""
-    keep_x = options.planner.keep_x_gradients
-    swap = options.swap.swap
-    if options.swap.on and swap == "auto":
-        return fwd, _hybrid_plan(model, fwd, checkpoints, budget, options, or_lowest)
-    if budget is None:
-        chosen = _checkpoint_ops(checkpoints, fwd, model)
-        mode = checkpoints if isinstance(checkpoints, str) else "list"
-        swapped = _swapped(swap, fwd, model, chosen)
-        return fwd, make_plan(model, chosen, mode, keep_x_gradients=keep_x, swapped=swapped,
-                              cost=options.cost_model() if swapped else None)
-    budget_bytes = parse_bytes(budget)
-    pool, cut_bytes = _candidate_pool(checkpoints, fwd, model)
-    if not pool and model.splits:
-        # the step between xs and ys is split regions only: nothing left to choose
-        plan_ = make_plan(model, [], "budget", budget=budget_bytes, keep_x_gradients=keep_x)
-        if plan_.predicted_peak > budget_bytes and not or_lowest:
-            raise no_plan_fits("plan", budget_bytes, feasible_budget(plan_.predicted_peak), " with these split regions")
-        return fwd, plan_
-    if not pool:
-        raise CheckpointError(
-            "budget= found no candidate checkpoint (the graph between xs and ys has no cut); "
-            "pass checkpoints=[tensors] as the candidates to choose from."
-        )
-
-    def plan_at(target: int, lowest: bool) -> Plan:
-        try:
-            # a model with split regions gets single-level plans only: multi-level ones around its regions
-            # give equal gradients, but their peaks have not been measured against their predictions yet
-            chosen = plan_for_budget(model, pool, target, keep_x_gradients=keep_x, cut_bytes=cut_bytes,
-                                     or_lowest=lowest, multilevel=options.planner.multilevel and not model.splits)
-        except BudgetError:
-            # the mode's own plan (checkpoints="memory"'s lowest-peak search) is one more candidate
-            proposed = _mode_plan(checkpoints, fwd, model, target, keep_x)
-            if proposed is None or proposed.predicted_peak > target:
-                raise
-            return proposed
-        swapped = _swapped(swap, fwd, model, chosen.checkpoint_ops, chosen.inner)
-        made = make_plan(model, chosen.checkpoint_ops, "budget", budget=target, keep_x_gradients=keep_x,
-                         inner=chosen.inner, swapped=swapped, cost=options.cost_model() if swapped else None)
-        if lowest and made.device_peak > target:
-            # nothing fits: the budget search's lowest plan, against the memory mode's own (a
-            # depthwise-separable net's lowest budget plan held 75.4 MiB in chunks, memory mode's 60.5)
-            proposed = _mode_plan(checkpoints, fwd, model, target, keep_x)
-            if proposed is not None and proposed.device_peak < made.device_peak:
-                return proposed
-        return made
-
-    return fwd, fit_in_chunks(plan_at, budget_bytes, model.resident_bytes, or_lowest)
-
-
-def _mode_plan(checkpoints, fwd, model, budget_bytes: int, keep_x: bool) -> Optional[Plan]:
-    """The plan ``checkpoints="memory"`` makes without a budget (its own
-    lowest-peak search, which the budget searches need not reach), made
-    for ``budget_bytes``, where the budget's candidates are the memory
-    mode's (``checkpoints`` a mode other than ``"speed"``); None for the
-    speed mode's candidates and a user's list."""
-    if not isinstance(checkpoints, str) or checkpoints == "speed":
-        return None
-    return make_plan(model, _checkpoint_ops("memory", fwd, model), "budget", budget=budget_bytes,
-                     keep_x_gradients=keep_x)
 
 
 @_do_not_convert
@@ -873,7 +757,7 @@ def plan(
     options = parse_options(dict(shared_options(locals(), leave_out=("checkpoints", "budget", "profile")),
                                  stop_gradients=stop_gradients, profile=True if profile is None else profile))
     ys, xs = _graph_tensors(ys, xs)
-    return _plan(ys, xs, checkpoints, budget, options, shown=True)[1]
+    return _plan(ys, xs, checkpoints, budget, options, active_target(), shown=True)[1]
 
 
 def gradients_speed(ys, xs, grad_ys=None, **kwargs) -> list:

@@ -7,13 +7,13 @@ over the budget is an out-of-memory error, so :func:`fit_to_budget` never
 runs a step predicted over the budget by less than the error known so far,
 and climbs towards the budget from below (:mod:`memsaving.calibration`).
 
-The planner learns the budget to plan for through a *target* that this
-module keeps in a context variable while a step is traced:
-``memsaving.gradients(..., budget=B)`` plans for the target instead of ``B``
-(:func:`planning_budget`) and hands every plan it makes to
-:func:`record_plan`, so the caller sees the plans of the step it traced
-without the step returning them.  ``memsaving.keras.enable(model,
-budget=...)`` uses the same target and the same rule during ``fit``.
+The planner learns the budget to plan for through a :class:`PlanningTarget`:
+``memsaving.gradients(..., budget=B)`` plans for its target instead of ``B``
+(:func:`planning_budget`) and records every plan it makes there, so the
+caller sees the plans of the step it traced without the step returning
+them.  ``memsaving.keras.enable(model, budget=...)`` passes the record
+explicitly to the gradient call it makes; :func:`fit_to_budget`, whose
+step is the user's code, enters it with :func:`planning_target`.
 """
 
 from __future__ import annotations
@@ -48,37 +48,72 @@ MEASURED_STEPS = 3
 
 
 @dataclass
-class _Target:
-    """What one traced step sees: the budget to plan for, and the plans made."""
+class PlanningTarget:
+    """What a calibration tells the planner about one traced step, and the
+    plans the planner made for it.
+
+    A calibration hands this record to ``memsaving.gradients_and_plan``
+    explicitly where memsaving makes the call itself (Keras' train step:
+    its ``planning=`` argument).  Where the user's code makes the call
+    (:func:`fit_to_budget`'s step, a ``memsaving.function``'s tape), the
+    record reaches it through :func:`planning_target`, the one context
+    variable of the package: the calibration cannot pass an argument
+    through code it did not write.  ``memsaving.gradients`` reads it there
+    once, on entry (:func:`active_target`), and passes it on explicitly.
+
+    Attributes
+    ----------
+    target
+        bytes to plan for instead of the budget asked for (None: the budget
+        asked for, less the known error).
+    or_lowest
+        when no plan fits the target as predicted, the planner's lowest plan
+        instead of a ``BudgetError``: the calibration decides whether that
+        plan may run.
+    held
+        bytes the caller holds on the device while the step is traced
+        (:func:`held_room`) that the step will not find in use: the memory in
+        use before the step leaves them out.
+    plans
+        every plan made for the step (:meth:`record`), in order.
+
+    Examples
+    --------
+    >>> record = PlanningTarget(64 << 20, or_lowest=True)
+    >>> record.calibrating, planning_budget("1GiB", 8 << 20, record) == 64 << 20
+    (True, True)
+    """
 
     target: Optional[int]
     or_lowest: bool = False
     held: int = 0
     plans: List[Plan] = field(default_factory=list)
 
+    @property
+    def calibrating(self) -> bool:
+        """Whether a calibration chose the budget the planner plans for."""
+        return self.target is not None
 
-_ACTIVE: contextvars.ContextVar[Optional[_Target]] = contextvars.ContextVar("memsaving_planning_target",
-                                                                             default=None)
+    def record(self, plan: Plan) -> None:
+        """Keep a plan made for the step, for the calibration to judge."""
+        self.plans.append(plan)
+
+
+_ACTIVE: contextvars.ContextVar[Optional[PlanningTarget]] = contextvars.ContextVar("memsaving_planning_target",
+                                                                                   default=None)
 
 
 @contextlib.contextmanager
-def planning_target(target: Optional[int], or_lowest: bool = False, held: int = 0) -> Iterator[_Target]:
-    """While active, ``memsaving.gradients(..., budget=B)`` plans for ``target`` (bytes) instead of ``B``.
-
-    With ``or_lowest``, when no plan fits the target as predicted the planner
-    returns the lowest plan it finds instead of raising ``BudgetError``
-    (:func:`planning_or_lowest`): the calibration then decides whether that
-    plan may run.  ``target`` None keeps the budget asked for.
-
-    ``held``: bytes the caller holds on the device while the step is traced
-    (:func:`held_room`) that the step will not find in use: the memory in use
-    before the step leaves them out (:func:`room_held_while_planning`).
+def planning_target(target: Optional[int], or_lowest: bool = False, held: int = 0) -> Iterator[PlanningTarget]:
+    """While active, ``memsaving.gradients(..., budget=B)`` called by code
+    inside plans for ``target`` (bytes) instead of ``B``
+    (:class:`PlanningTarget` says what each argument means).
 
     Yields the record that collects every plan ``memsaving.gradients`` makes
     inside (the calls happen when a ``tf.function`` is traced, so enter this
     around the trace, not around later calls of the traced function).
     """
-    record = _Target(None if target is None else int(target), bool(or_lowest), int(held))
+    record = PlanningTarget(None if target is None else int(target), bool(or_lowest), int(held))
     token = _ACTIVE.set(record)
     try:
         yield record
@@ -86,51 +121,29 @@ def planning_target(target: Optional[int], or_lowest: bool = False, held: int = 
         _ACTIVE.reset(token)
 
 
-def planning_budget(budget: Optional[Union[int, float, str]], resident: int) -> Optional[int]:
+def active_target() -> Optional[PlanningTarget]:
+    """The record of the innermost :func:`planning_target` (None outside one):
+    read once where a gradient call enters memsaving, then passed on."""
+    return _ACTIVE.get()
+
+
+def planning_budget(budget: Optional[Union[int, float, str]], resident: int,
+                    planning: Optional[PlanningTarget] = None) -> Optional[int]:
     """The budget the planner plans for when asked for ``budget``.
 
-    Inside a calibration, its target.  Otherwise (``budget=`` alone, never
-    measured) ``budget`` less room for the model's known error
-    (:data:`memsaving.planners.known_error.KNOWN_ERROR` of the step memory above
-    ``resident``) and for the allocator's headroom
+    Inside a calibration (``planning`` with a target), its target.
+    Otherwise (``budget=`` alone, never measured) ``budget`` less room for
+    the model's known error (:data:`memsaving.planners.known_error.KNOWN_ERROR`
+    of the step memory above ``resident``) and for the allocator's headroom
     (:data:`memsaving.planners.known_error.HEADROOM`): a plan predicted that
     far under the budget still fits when its step memory is that much above
-    its prediction.  None when no
-    budget was given.
+    its prediction.  None when no budget was given.
     """
     if budget is None:
         return None
-    record = _ACTIVE.get()
-    if record is not None and record.target is not None:
-        return max(1, record.target)
+    if planning is not None and planning.target is not None:
+        return max(1, planning.target)
     return safe_target(parse_bytes(budget), resident, 1 + KNOWN_ERROR, HEADROOM)
-
-
-def calibrating() -> bool:
-    """Whether a calibration chose the budget the planner plans for."""
-    record = _ACTIVE.get()
-    return record is not None and record.target is not None
-
-
-def room_held_while_planning() -> int:
-    """Bytes the active calibration holds on the device while the step is
-    traced (:func:`planning_target`'s ``held``): not the step's, so not
-    counted in the memory in use before it (0 outside a calibration)."""
-    record = _ACTIVE.get()
-    return 0 if record is None else record.held
-
-
-def planning_or_lowest() -> bool:
-    """True when the active calibration wants the planner's lowest plan for a budget nothing fits."""
-    record = _ACTIVE.get()
-    return record is not None and record.or_lowest
-
-
-def record_plan(plan: Plan) -> None:
-    """Hand a plan ``memsaving.gradients`` executes to the active calibration, if any."""
-    record = _ACTIVE.get()
-    if record is not None:
-        record.plans.append(plan)
 
 
 def predicted_figures(plans: Sequence[Plan]) -> Tuple[int, int]:
@@ -179,7 +192,8 @@ class Calibration:
         index in ``rounds`` of the round whose plan runs.
     plans : list of Plan
         the plans ``memsaving.gradients`` made when the returned step was
-        traced; their ``measured_peak`` is set.
+        traced (plans are immutable: the peak their step measured is this
+        record's :attr:`measured_peak`, and :meth:`table` shows the two together).
     seconds : float
         wall time the calibration took (traces, plans and measured steps).
     """
@@ -204,11 +218,27 @@ class Calibration:
 
     @property
     def measured_peak(self) -> Optional[int]:
+        """The peak measured for the chosen round's step (None before any round)."""
         return self._final.measured_peak if self._final else None
 
     @property
     def predicted_peak(self) -> Optional[int]:
+        """The chosen round's predicted peak (None before any round)."""
         return self._final.predicted_peak if self._final else None
+
+    def table(self) -> str:
+        """The tables of :attr:`plans` (:meth:`Plan.table`), each with the peak
+        the chosen round measured for its step.
+
+        Example
+        -------
+        >>> print(step.calibration.table())  # doctest: +SKIP
+        memsaving plan (budget): 3 checkpoints, 4 recomputed segments
+        predicted peak 40.1 MiB (plain tf.gradients 61.0 MiB, 1.52x lower), budget 48.0 MiB
+        measured peak 41.3 MiB (budget 48.0 MiB)
+        ...
+        """
+        return "\n".join(plan.table(self.measured_peak) for plan in self.plans)
 
     def __str__(self) -> str:
         lines = [f"memsaving calibration for a budget of {format_bytes(self.budget)}:"]
@@ -372,20 +402,34 @@ def fit_to_budget(
     >>> fitted.calibration.fits
     True
     """
+    return calibrate_step(step_fn, args, kwargs, budget=budget, max_rounds=max_rounds, device=device,
+                          restore_variables=restore_variables, verbose=verbose)
+
+
+def calibrate_step(step_fn: Callable[..., Any], args: tuple, kwargs: dict, *, budget: Union[int, float, str],
+                   max_rounds: int = 4, device: Optional[str] = None, restore_variables: bool = False,
+                   verbose: bool = False, caller: str = "memsaving.fit_to_budget") -> "WatchedStep":
+    """:func:`fit_to_budget` for an entry point that calibrates on its
+    user's behalf (``memsaving.function(budget=...)``): the same rule, with
+    the step's arguments passed as a tuple and a dict (so no keyword of the
+    step can collide with these), and ``caller`` naming the entry point in
+    every message and error, as the user wrote it."""
     start = time.perf_counter()
-    budget_bytes = _check_arguments(step_fn, budget, max_rounds)
+    budget_bytes = _check_arguments(step_fn, budget, max_rounds, caller)
     python_fn = getattr(step_fn, "python_function", step_fn)  # a tf.function would not retrace
     calibrator = Calibrator(budget=budget_bytes, max_rounds=max_rounds, probes=out_of_memory_raises(device))
     report = Calibration(budget=budget_bytes, rounds=calibrator.rounds)
     gc.collect()
     calibrator.first_target(resident=bytes_in_use(device))
-    function = _calibrate_or_undo(python_fn, args, kwargs, calibrator, report, device, verbose, restore_variables)
+    function = _calibrate_or_undo(python_fn, args, kwargs, calibrator, report, device, verbose, restore_variables,
+                                  caller)
     report.seconds = time.perf_counter() - start
-    return WatchedStep(function, python_fn, calibrator, report, device, verbose)
+    return WatchedStep(function, python_fn, calibrator, report, device, verbose, caller)
 
 
 def _calibrate_or_undo(python_fn: Callable, args: tuple, kwargs: dict, calibrator: Calibrator,
-                       report: "Calibration", device: Optional[str], verbose: bool, restore_variables: bool):
+                       report: "Calibration", device: Optional[str], verbose: bool, restore_variables: bool,
+                       caller: str):
     """:func:`_calibrate`; the variables are put back as they were before its
     first round when ``restore_variables``, and whenever it ends in a
     ``BudgetError``: a budget refused after measured rounds (a probe that ran
@@ -394,7 +438,7 @@ def _calibrate_or_undo(python_fn: Callable, args: tuple, kwargs: dict, calibrato
     snapshot: List[Optional[List[tuple]]] = [None]
     undo = restore_variables
     try:
-        return _calibrate(python_fn, args, kwargs, calibrator, report, device, verbose, snapshot)
+        return _calibrate(python_fn, args, kwargs, calibrator, report, device, verbose, snapshot, caller)
     except BudgetError:
         undo = True
         raise
@@ -404,18 +448,19 @@ def _calibrate_or_undo(python_fn: Callable, args: tuple, kwargs: dict, calibrato
 
 
 def _calibrate(python_fn: Callable, args: tuple, kwargs: dict, calibrator: Calibrator, report: "Calibration",
-               device: Optional[str], verbose: bool, snapshot: List[Optional[List[tuple]]]):
+               device: Optional[str], verbose: bool, snapshot: List[Optional[List[tuple]]], caller: str):
     """Trace and measure rounds from ``calibrator.target`` until the rule
     (:meth:`Calibrator.record`) keeps a plan; returns that plan's traced
     function and records the rounds in ``report``.  ``snapshot[0]``: the
-    variables' values before the first round that ran (set here)."""
+    variables' values before the first round that ran (set here); ``caller``:
+    the entry point the messages name."""
     budget_bytes = calibrator.budget
     kept: dict = {}  # round index -> (step, plans) of the rounds that fit
     while True:
         round_number = len(calibrator.rounds) + 1
         step, plans = _traced(python_fn, calibrator.target, or_lowest=True)
         concrete = step.get_concrete_function(*args, **kwargs)
-        _check_plans(plans, round_number)
+        _check_plans(plans, round_number, caller)
         predicted, resident = predicted_figures(plans)
         if not calibrator.may_run(predicted, resident):
             if calibrator.best is not None:
@@ -427,7 +472,7 @@ def _calibrate(python_fn: Callable, args: tuple, kwargs: dict, calibrator: Calib
                 continue
             probe = calibrator.may_probe(predicted, resident)
             if not probe:
-                raise refusal("memsaving.fit_to_budget", budget_bytes, predicted, resident, calibrator.ratio,
+                raise refusal(caller, budget_bytes, predicted, resident, calibrator.ratio,
                               calibrator.rounds)
         else:
             probe = False
@@ -438,9 +483,7 @@ def _calibrate(python_fn: Callable, args: tuple, kwargs: dict, calibrator: Calib
                                           room=calibrator.room_to_hold(resident)),
                           highest=recomputes_nothing(plans), asked_for=calibrator.target, probe=probe)
         decision = calibrator.record(current)
-        for plan in plans:
-            plan.measured_peak = current.measured_peak
-        _say(verbose, f"memsaving.fit_to_budget: round {round_number}: "
+        _say(verbose, f"{caller}: round {round_number}: "
                       f"{calibrator.rounds[-1].describe(budget_bytes)}")
         if calibrator.rounds[-1].fits(budget_bytes):  # with the widest spread seen
             kept[len(calibrator.rounds) - 1] = (step, plans)
@@ -449,7 +492,7 @@ def _calibrate(python_fn: Callable, args: tuple, kwargs: dict, calibrator: Calib
             gc.collect()  # this round's step, unless kept: its constants must not count next
             continue
         if decision is Next.FAIL:
-            raise calibration_error("memsaving.fit_to_budget", budget_bytes, calibrator)
+            raise calibration_error(caller, budget_bytes, calibrator)
         break
     best_step, report.plans = kept[calibrator.best]
     report.chosen = calibrator.best
@@ -505,8 +548,9 @@ class WatchedStep:
     """
 
     def __init__(self, function: Any, python_fn: Callable, calibrator: Calibrator, report: "Calibration",
-                 device: Optional[str], verbose: bool):
+                 device: Optional[str], verbose: bool, caller: str = "memsaving.fit_to_budget"):
         self.function = function
+        self._caller = caller
         self.calibration = report
         self._python_fn = python_fn
         self._calibrator = calibrator
@@ -552,7 +596,8 @@ class WatchedStep:
 
     def _calibrate_again(self, args: tuple, kwargs: dict) -> None:
         self.function = _calibrate_or_undo(self._python_fn, args, kwargs, self._calibrator, self.calibration,
-                                           self._device, self._verbose, restore_variables=False)
+                                           self._device, self._verbose, restore_variables=False,
+                                           caller=self._caller)
         self._rise = PeakRise()
 
     def _after_out_of_memory(self, args: tuple, kwargs: dict) -> Any:
@@ -562,8 +607,8 @@ class WatchedStep:
         decision = calibrator.steady_step(calibrator.budget, out_of_memory=True)
         self.calibration.chosen = None
         if decision is Next.FAIL:
-            raise calibration_error("memsaving.fit_to_budget", calibrator.budget, calibrator)
-        _say(self._verbose, f"memsaving.fit_to_budget: {calibrator.describe_steady(0, out_of_memory=True)}; the "
+            raise calibration_error(self._caller, calibrator.budget, calibrator)
+        _say(self._verbose, f"{self._caller}: {calibrator.describe_steady(0, out_of_memory=True)}; the "
                             f"variables are back as before the step, which is traced again from "
                             f"{format_bytes(calibrator.target)}")
         self._calibrate_again(args, kwargs)
@@ -575,7 +620,7 @@ class WatchedStep:
         if decision is Next.DONE:
             return
         self.calibration.chosen = None
-        _say(self._verbose, f"memsaving.fit_to_budget: {calibrator.describe_steady(measured)}; the next step "
+        _say(self._verbose, f"{self._caller}: {calibrator.describe_steady(measured)}; the next step "
                             f"calibrates again from {format_bytes(calibrator.target)}")
         self._again = True
 
@@ -674,13 +719,13 @@ def restore_variable(variable: tf.Variable, value: np.ndarray) -> None:
     variable.assign(value)
 
 
-def _check_arguments(step_fn, budget, max_rounds) -> int:
+def _check_arguments(step_fn, budget, max_rounds, caller: str) -> int:
     if not callable(step_fn):
         raise TypeError(
-            f"memsaving.fit_to_budget: step_fn must be the training step, a Python function that calls "
+            f"{caller}: step_fn must be the training step, a Python function that calls "
             f"memsaving.gradients(..., budget=...); got {type(step_fn).__name__}: {step_fn!r:.80}")
     if budget is None:
-        raise ValueError("memsaving.fit_to_budget needs budget= (bytes, or a string such as '512MiB'): the "
+        raise ValueError(f"{caller} needs budget= (bytes, or a string such as '512MiB'): the "
                          "peak memory the step must fit, as measured")
     if isinstance(max_rounds, bool) or not isinstance(max_rounds, (int, np.integer)) or max_rounds < 1:
         raise ValueError(f"max_rounds={max_rounds!r}: give a positive int, how many plans to measure at most")
@@ -708,18 +753,18 @@ def _traced(python_fn: Callable, target: Optional[int], or_lowest: bool = False)
     return tf.function(with_target), plans
 
 
-def _check_plans(plans: List[Plan], round_number: int) -> None:
+def _check_plans(plans: List[Plan], round_number: int, caller: str) -> None:
     if any(plan.budget is not None for plan in plans):
         return
     if not plans and round_number > 1:
         raise ValueError(
-            "memsaving.fit_to_budget: the step's memsaving.gradients call was not traced again in round "
+            f"{caller}: the step's memsaving.gradients call was not traced again in round "
             f"{round_number}, so it cannot be replanned: it is probably inside a tf.function of its own. "
             "Pass the plain Python function (no @tf.function inside the step around memsaving.gradients).")
     made = f"made {len(plans)} memsaving.gradients call(s), none with budget=" if plans else \
         "made no memsaving.gradients call"
     raise ValueError(
-        f"memsaving.fit_to_budget: the step {made}. The step must call memsaving.gradients(..., budget=...) "
+        f"{caller}: the step {made}. The step must call memsaving.gradients(..., budget=...) "
         "(with the budget passed here) so that it can be replanned for the measured peak.")
 
 

@@ -81,7 +81,8 @@ def offload_step(backward: Iterable[tf.Operation], roots: Sequence, options: Off
         where the variables live and how copies are timed.
     model, plan
         the graph model the plan was made on and the plan; when given,
-        the prediction is made and set on the plan (``plan.offload``).
+        the prediction is made (``.prediction`` of the result: the caller
+        hands it on as the plan's ``offload``, ``replace(plan, offload=...)``).
     cost
         the speeds timing the copies (default :class:`CostModel`); the
         copies' lead and fusing are ``options``'.
@@ -104,7 +105,6 @@ def offload_step(backward: Iterable[tf.Operation], roots: Sequence, options: Off
                                            slot_bytes=slot_bytes, cost=cost)
         step.resident_peak = simulate_resident(model, kept=kept, units=units, swapped=swapped,
                                                slot_bytes=slot_bytes, cost=cost).peak_bytes
-        plan.offload = step.prediction
     return step
 
 

@@ -257,7 +257,25 @@ def unpatch() -> None:
 
 
 @contextlib.contextmanager
-def patched(checkpoints: Checkpoints = "memory", **kwargs: Any) -> Iterator[None]:
+@accepts_deprecated_keys
+def patched(
+    checkpoints: Checkpoints = SHARED_DEFAULTS["checkpoints"],
+    *,
+    budget: Optional[Union[int, str]] = SHARED_DEFAULTS["budget"],
+    swap: Any = SHARED_DEFAULTS["swap"],
+    split: Any = SHARED_DEFAULTS["split"],
+    batch_size: Optional[int] = SHARED_DEFAULTS["batch_size"],
+    profile: Optional[bool] = SHARED_DEFAULTS["profile"],
+    planning_time: Optional[float] = SHARED_DEFAULTS["planning_time"],
+    multilevel: bool = SHARED_DEFAULTS["multilevel"],
+    follow_order: Optional[bool] = SHARED_DEFAULTS["follow_order"],
+    keep_x_gradients: bool = SHARED_DEFAULTS["keep_x_gradients"],
+    offload_params: bool = SHARED_DEFAULTS["offload_params"],
+    swap_options: Optional[SwapOptions] = SHARED_DEFAULTS["swap_options"],
+    offload_options: Optional[OffloadOptions] = SHARED_DEFAULTS["offload_options"],
+    flops_per_second: Optional[float] = SHARED_DEFAULTS["flops_per_second"],
+    bandwidth: Optional[float] = SHARED_DEFAULTS["bandwidth"],
+) -> Iterator[None]:
     """``with memsaving.patched(...):`` :func:`patch` for the block only.
 
     On exit (also on an exception) the state before the block comes back:
@@ -265,8 +283,10 @@ def patched(checkpoints: Checkpoints = "memory", **kwargs: Any) -> Iterator[None
 
     Parameters
     ----------
-    checkpoints, **kwargs
-        as for :func:`patch`.
+    checkpoints, budget, swap, split, batch_size, profile, planning_time, multilevel, follow_order, \
+keep_x_gradients, offload_params, swap_options, offload_options, flops_per_second, bandwidth
+        as for :func:`patch` (the options every entry point shares,
+        :data:`memsaving.options.SHARED_DEFAULTS`).
 
     Examples
     --------
@@ -276,9 +296,10 @@ def patched(checkpoints: Checkpoints = "memory", **kwargs: Any) -> Iterator[None
     >>> inside, tf.gradients.__doc__.startswith("tf.gradients replaced")
     (True, False)
     """
+    options = shared_options(locals(), leave_out=("checkpoints",))
     with _lock:
         previous = dict(_active) if _active is not None else None
-    patch(checkpoints, **kwargs)
+    patch(checkpoints, **options)
     try:
         yield
     finally:

@@ -43,7 +43,7 @@ from tensorflow.python import pywrap_tfe  # pylint: disable=no-name-in-module
 from tensorflow.python.eager import backprop  # pylint: disable=no-name-in-module
 
 from memsaving.api import check_checkpoints_argument, gradients_and_plan
-from memsaving.fit_budget import WatchedStep, fit_to_budget
+from memsaving.fit_budget import WatchedStep, calibrate_step
 from memsaving.options import SHARED_DEFAULTS, accepts_deprecated_keys, shared_options
 from memsaving.patching import patched
 from memsaving.planners.budget import parse_bytes
@@ -305,8 +305,9 @@ class MemsavingFunction:
             return self._traced(*args, **kwargs)
         if self._fitted is None:
             # the calibration's own steps are undone, so that this call is the first step that counts
-            self._fitted = fit_to_budget(self._tracing_body, *args, budget=self._settings.budget,
-                                         restore_variables=True, **kwargs)
+            name = getattr(self._python_function, "__name__", "step")
+            self._fitted = calibrate_step(self._tracing_body, args, kwargs, budget=self._settings.budget,
+                                          restore_variables=True, caller=f"memsaving.function ({name})")
         return self._fitted(*args, **kwargs)
 
     @property

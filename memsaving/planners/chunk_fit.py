@@ -17,6 +17,7 @@ asked for it).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from memsaving.errors import BudgetError, feasible_budget
@@ -74,7 +75,7 @@ def fit_in_chunks(plan_at: Callable[[int, bool], Plan], target: int, resident: i
     except BudgetError:
         plan = None  # nothing is predicted under the target: only the floor is left to weigh
     if plan is not None:
-        plan.planned_for = target
+        plan = replace(plan, planned_for=target)
         if plan.device_peak <= target:
             return plan
         tried.append(plan)
@@ -87,12 +88,12 @@ def fit_in_chunks(plan_at: Callable[[int, bool], Plan], target: int, resident: i
                 plan = plan_at(lowered, False)
             except BudgetError:
                 break
-            plan.planned_for = lowered
+            plan = replace(plan, planned_for=lowered)
             if plan.device_peak <= target:
                 return plan
             tried.append(plan)
     floor = plan_at(resident, True)  # nothing fits the resident bytes alone: the planner's lowest plan
-    floor.planned_for = floor.predicted_peak
+    floor = replace(floor, planned_for=floor.predicted_peak)
     if floor.device_peak <= target:
         return floor
     if or_lowest:

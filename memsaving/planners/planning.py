@@ -43,9 +43,15 @@ ABOVE_PLAIN_MIN_BYTES = 64 * 1024
 """...and at least this many bytes, so tiny graphs do not warn about noise."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     """What memsaving will do for one gradient computation.
+
+    A plan is immutable: what is known when planning ends is set when it is
+    made (``dataclasses.replace`` makes a changed copy), and what is learned
+    later, when its step runs, lives in a record of its own: the peaks a
+    calibration measured are in its :class:`memsaving.fit_budget.Calibration`
+    (``step.calibration``, ``memsaving.keras.calibration_of(model)``).
 
     Plans are made by :func:`memsaving.plan` (while the step is traced),
     :func:`memsaving.gradients_and_plan` and ``memsaving.keras.plan_of``;
@@ -102,9 +108,6 @@ class Plan:
         where ``batch_size`` came from; empty for the default of 1.
     never_recomputed
         forward ops that cannot be copied safely, kept from the forward pass.
-    measured_peak
-        the allocator's peak bytes measured for the step that executes
-        this plan (None when not measured).
     profile_mode
         how kernel temporaries entered the predictions: ``"measure"``,
         ``"cached"`` or ``"off"``.
@@ -184,10 +187,6 @@ class Plan:
     """Forward ops that cannot be copied safely (stateful, random; variable
     reads are left out): kept from the forward pass and differentiated
     where they are."""
-    measured_peak: Optional[int] = None
-    """The allocator's peak bytes measured for the step that executes this
-    plan, set by ``memsaving.fit_to_budget`` and ``memsaving.keras``'
-    calibration (None when not measured)."""
     profile_mode: str = "off"
     """How kernel temporaries entered the predictions (:mod:`memsaving.tf.profiles`):
     ``"measure"``, ``"cached"`` (only profiles already cached) or ``"off"``."""
@@ -273,14 +272,17 @@ class Plan:
                 "early. Use checkpoints='memory' or budget= instead, or print the plan (memsaving.plan(...)"
                 ".explain()) to see what it keeps.")
 
-    def explain(self, file: Optional[TextIO] = None) -> str:
-        """Print a readable table of the plan (to ``file``, default stdout) and return it."""
-        text = self.table()
+    def explain(self, file: Optional[TextIO] = None, measured_peak: Optional[int] = None) -> str:
+        """Print a readable table of the plan (to ``file``, default stdout) and return it;
+        ``measured_peak``: the peak its step measured, when one was (:meth:`table`)."""
+        text = self.table(measured_peak)
         (file if file is not None else sys.stdout).write(text)
         return text
 
-    def table(self) -> str:
-        """The table ``explain`` prints: one row per backward unit."""
+    def table(self, measured_peak: Optional[int] = None) -> str:
+        """The table ``explain`` prints: one row per backward unit; with
+        ``measured_peak`` (bytes the allocator measured for the plan's step,
+        from a calibration's record), that figure against the budget too."""
         out = io.StringIO()
         mib = 2 ** 20
         out.write(f"memsaving plan ({self.mode}): {len(self.checkpoints)} checkpoints, "
@@ -298,8 +300,8 @@ class Plan:
                   f"{self.plain_peak / max(self.predicted_peak, 1):.2f}x lower)")
         if self.budget is not None:
             out.write(f", budget {self.budget / mib:.1f} MiB")
-        if self.measured_peak is not None:
-            out.write(f"\nmeasured peak {self.measured_peak / mib:.1f} MiB")
+        if measured_peak is not None:
+            out.write(f"\nmeasured peak {measured_peak / mib:.1f} MiB")
             if self.budget is not None:
                 out.write(f" (budget {self.budget / mib:.1f} MiB)")
         if self.batch_source:  # unset when no batch size was given or found

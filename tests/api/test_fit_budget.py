@@ -6,6 +6,7 @@ lower budget until the measured peak fits, or says with the measured figures
 that it cannot.  ``pytest tests/api/test_fit_budget.py -s`` prints every round.
 """
 
+import dataclasses
 import gc
 import os
 import re
@@ -132,8 +133,10 @@ def test_fit_to_budget_starts_below_the_budget_and_fits():
     assert all(r.predicted_peak <= budget for r in report.rounds)
     assert report.fits and report.measured_peak <= budget - HEADROOM * (budget - report.rounds[report.chosen].resident)
     plan = report.plans[0]
-    assert plan.budget == budget and plan.measured_peak == report.measured_peak
-    assert f"measured peak {plan.measured_peak / MiB:.1f} MiB (budget {budget / MiB:.1f} MiB)" in plan.table()
+    assert plan.budget == budget
+    assert f"measured peak {report.measured_peak / MiB:.1f} MiB (budget {budget / MiB:.1f} MiB)" in report.table()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.budget = None  # a plan is immutable: what its step measured is the calibration's record
     assert report.seconds > 0
 
 
@@ -652,37 +655,55 @@ class HoldAfterFirstStep(keras.callbacks.Callback):
         self.held = None
 
 
-def test_keras_enable_budget_calibrates_from_below_during_fit(capsys):
+def keras_calibration_figures() -> dict:
+    """Keras ``fit`` under a budget: the rounds, what was printed, the plan's record, and the
+    peaks of the steps of one more epoch after calibration (for the test below)."""
+    import contextlib
+    import io
+
     budget = _keras_budget(0.8)
     model = _keras_mlp(use_bias=False)
     mkeras.enable(model, budget=budget, verbose=True, multilevel=True)
     x, y = _keras_data()
-    model.fit(x, y, batch_size=KERAS_BATCH, epochs=3, shuffle=False, verbose=0)
-    printed = capsys.readouterr().out
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        model.fit(x, y, batch_size=KERAS_BATCH, epochs=3, shuffle=False, verbose=0)
     report = mkeras.calibration_of(model)
-    with capsys.disabled():
-        _show("keras fit", report.rounds, budget)
-    rounds = report.rounds
-    assert printed.count("calibration round") == len(rounds) >= 1
-    assert rounds[0].planned_for < budget and rounds[0].measured_peak <= budget
-    assert all(r.predicted_peak <= budget for r in rounds)
-    assert report.fits and report.chosen is not None
+    _show("keras fit", report.rounds, budget)
     plan = mkeras.plan_of(model)
-    assert plan.budget == budget and "measured peak" in plan.table()
+    figures = {"budget": budget, "printed": printed.getvalue(), "fits": report.fits, "chosen": report.chosen,
+               "rounds": [{"planned_for": r.planned_for, "predicted": r.predicted_peak, "measured": r.measured_peak}
+                          for r in report.rounds],
+               "plan_budget": plan.budget, "plan_recorded": plan in report.plans,
+               "measured_peak": report.measured_peak, "table": report.table()}
     # After calibration, training steps are not replanned and stay within the budget as measured.
     peaks = StepPeaks()
     model.fit(x, y, batch_size=KERAS_BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[peaks])
-    with capsys.disabled():
-        print("  later steps measured: " + ", ".join(f"{p / MiB:.3f}" for p in peaks.peaks) + " MiB")
-    assert len(report.rounds) == len(mkeras.calibration_of(model).rounds)
-    assert max(peaks.peaks) <= budget
+    print("  later steps measured: " + ", ".join(f"{p / MiB:.3f}" for p in peaks.peaks) + " MiB")
+    figures.update(later_peaks=peaks.peaks, rounds_after=len(mkeras.calibration_of(model).rounds))
+    return figures
+
+
+def test_keras_enable_budget_calibrates_from_below_during_fit():
+    """Run in a process of its own: in a worker where earlier tests left tensors behind, a step
+    after calibration once measured inside the room it keeps, and calibration started again."""
+    figures = in_a_fresh_process("test_fit_budget", "keras_calibration_figures")
+    budget, rounds = figures["budget"], figures["rounds"]
+    assert figures["printed"].count("calibration round") == len(rounds) >= 1
+    assert rounds[0]["planned_for"] < budget and rounds[0]["measured"] <= budget
+    assert all(r["predicted"] <= budget for r in rounds)
+    assert figures["fits"] and figures["chosen"] is not None
+    assert figures["plan_budget"] == budget and figures["plan_recorded"]
+    assert f"measured peak {figures['measured_peak'] / MiB:.1f} MiB" in figures["table"]
+    assert figures["rounds_after"] == len(rounds)
+    assert max(figures["later_peaks"]) <= budget
 
 
 def test_a_keras_budget_error_after_rounds_leaves_the_model_as_fit_found_it(monkeypatch):
     """Every step measures twice the budget: round 1 is over, and the error measured leaves no
     plan that may run.  fit raises a BudgetError, and the steps round 1 ran are undone: the
     weights and the optimizer's step counter are as before fit (before, 3 steps stayed applied)."""
-    import memsaving.keras as keras_module
+    import memsaving.keras.calibration as keras_module  # the module that reads the allocator
 
     budget = _keras_budget(0.8)
     model = _keras_mlp(use_bias=False)
@@ -703,7 +724,7 @@ def test_keras_goes_back_to_a_measured_plan_when_no_lower_plan_may_run(monkeypat
     budget, so the error measured leaves no lower plan that may run.  A plan measured under the
     budget exists (round 1's): the next trace plans it again and training goes on, as
     fit_to_budget keeps its best measured step (before, fit raised a BudgetError here)."""
-    import memsaving.keras as keras_module
+    import memsaving.keras.calibration as keras_module  # the module that reads the allocator
 
     budget = _keras_budget(0.8)
     model = _keras_mlp(use_bias=False)
@@ -771,7 +792,7 @@ def _calibrator_of(model):
 def creeping_keras_figures() -> dict:
     """Keras ``fit`` where the first step of the chosen plan measures a quarter MiB into the room
     the chosen round keeps free; returns the rounds and the step count for the test below."""
-    import memsaving.keras as keras_module
+    import memsaving.keras.calibration as keras_module  # the module that reads the allocator
 
     budget = _keras_budget(0.8)
     model = _keras_mlp(use_bias=False)
@@ -883,7 +904,9 @@ def test_keras_probes_a_budget_the_prior_refuses_where_running_out_of_memory_rai
     forbids is measured once.  Keras' steps measure up to a quarter above their predictions, so
     the probe may fit (fit trains every step) or not (a BudgetError, its steps undone): either
     way it ran, and no step of a refused budget counts."""
-    monkeypatch.setattr(mkeras, "out_of_memory_raises", lambda device=None: True)
+    import memsaving.keras.calibration as keras_module  # the module that reads the allocator
+
+    monkeypatch.setattr(keras_module, "out_of_memory_raises", lambda device=None: True)
     x, y = _keras_data()
     model = _keras_mlp(use_bias=False)
     budget = _keras_probe_budget(model, x, y)
@@ -902,7 +925,9 @@ def test_keras_probes_a_budget_the_prior_refuses_where_running_out_of_memory_rai
 
 
 def test_a_keras_probe_that_runs_out_of_memory_counts_no_step(monkeypatch):
-    monkeypatch.setattr(mkeras, "out_of_memory_raises", lambda device=None: True)
+    import memsaving.keras.calibration as keras_module  # the module that reads the allocator
+
+    monkeypatch.setattr(keras_module, "out_of_memory_raises", lambda device=None: True)
 
     class OutOfMemory(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -992,7 +1017,9 @@ def test_keras_judges_a_trace_on_its_highest_step_and_records_the_spread(monkeyp
     scripted = [100 * MiB, 140 * MiB, 120 * MiB, 110 * MiB] + [999 * MiB] * 4
     assert len(scripted) > MEASURED_STEPS >= 2
     read = iter(scripted)
-    monkeypatch.setattr(mkeras, "peak_bytes", lambda device=None: next(read))
+    import memsaving.keras.calibration as keras_module  # the module that reads the allocator
+
+    monkeypatch.setattr(keras_module, "peak_bytes", lambda device=None: next(read))
     model = _keras_mlp(use_bias=False)
     mkeras.enable(model, budget="1GiB", verbose=False)
     x, y = _keras_data(256)
@@ -1089,6 +1116,7 @@ def test_memsaving_function_refuses_a_budget_below_every_plan_before_any_step():
     _, resident = mlp.plain_plan()
     before = [w.numpy() for w in mlp.weights]
     step = _tape_step(mlp, resident + 1)
-    with pytest.raises(memsaving.BudgetError, match="Nothing was run"):
+    with pytest.raises(memsaving.BudgetError, match="Nothing was run") as refused:
         step(mlp.x)
+    assert str(refused.value).startswith("memsaving.function (train_step): ")  # the entry point the user called
     assert all(np.array_equal(a, w.numpy()) for a, w in zip(before, mlp.weights))

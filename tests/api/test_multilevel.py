@@ -95,7 +95,7 @@ def _three_readers_step(inner_of):
     """x -> h -> u, and q, k, v each read u; the planner's proposal is
     replaced by keeping q, k, v with the inner checkpoints ``inner_of``
     (anchor name -> inner names) gives: the builder must follow it."""
-    from memsaving import api  # pylint: disable=import-outside-toplevel
+    from memsaving.planners import registry as api  # the budget planner the registry calls
     from memsaving.model.proposal import Proposal  # pylint: disable=import-outside-toplevel
 
     def proposed(model, *args, **kwargs):

@@ -81,6 +81,7 @@ ENTRY_POINTS = {
     "plan": lambda: memsaving.plan,
     "function": lambda: memsaving.function,
     "patch": lambda: memsaving.patch,
+    "patched": lambda: memsaving.patched,
     "keras.enable": lambda: memsaving_keras.enable,
 }
 
@@ -92,7 +93,7 @@ def test_every_entry_point_names_the_shared_options_with_their_defaults_and_no_k
     for option, default in SHARED_DEFAULTS.items():
         assert option in parameters, f"{name} lacks {option}="
         assert parameters[option].default == default, (name, option, parameters[option].default, default)
-        if option != "checkpoints" or name != "patch":  # patch("memory") stays positional, as before
+        if option != "checkpoints" or name not in ("patch", "patched"):  # patch("memory") stays positional
             assert parameters[option].kind == inspect.Parameter.KEYWORD_ONLY, (name, option)
 
 
