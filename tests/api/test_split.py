@@ -174,7 +174,8 @@ def in_place_head_peak(transposed: bool) -> int:
     return memsaving.measure_peak_increase(step, x)
 
 
-@pytest.mark.parametrize("transposed", [False, True])
+# the transposed head (21 s) joins the slow tests: the default run keeps the other, same rule
+@pytest.mark.parametrize("transposed", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_head_weight_gradient_accumulates_in_place(transposed):
     x, step, compare = _in_place_head(transposed)
     ours, plain = compare(x)
@@ -498,6 +499,7 @@ def test_gpt_head_and_last_block_split_token_by_token():
     assert any("dense" in name for name in region.ops)
 
 
+@pytest.mark.slow  # 13 s; split="auto" without a budget is in the default run on Keras (test_keras_enable_split_auto...)
 def test_gpt_split_auto_without_budget():
     ours, plain, plan = _gpt_step_gradients(lambda logits: "auto")
     _compare(ours, plain)

@@ -143,6 +143,7 @@ def test_multilevel_search_runs_only_where_no_single_level_plan_fits(monkeypatch
     assert searched and tight.inner and tight.peak <= int(0.12 * plain)
 
 
+@pytest.mark.slow  # 18 s of random chains: the reason for a design choice, measured, not a behaviour to guard
 def test_no_recursive_plan_recomputes_less_where_a_single_level_plan_fits():
     """Why plan_for_budget searches recursive plans only where nothing
     single-level fits: over random chains and budgets, every recursive plan
