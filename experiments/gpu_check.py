@@ -92,10 +92,20 @@ def _start_tensorflow(limit_mib: Optional[int]):
     return tf
 
 
-def _conv_net(size: int, blocks: int):
+def _conv_setup(quick: bool):
+    """The conv net every conv section measures (seeded), its input batch and a built SGD optimizer."""
+    import keras
+    import tensorflow as tf
+
     from memsaving.tools import models
 
-    return models.residual_convnet(size=size, blocks=blocks, filters=(32,), batch_norm=False)
+    shape = sizes(quick)["conv"]
+    keras.utils.set_random_seed(0)
+    model = models.residual_convnet(size=shape["size"], blocks=shape["blocks"], filters=(32,), batch_norm=False)
+    x = tf.random.stateless_normal([shape["batch"], shape["size"], shape["size"], 3], [1, 2])
+    optimizer = keras.optimizers.SGD(1e-3)
+    optimizer.build(model.trainable_variables)
+    return model, x, optimizer
 
 
 def _conv_step(model, optimizer, **options):
@@ -134,16 +144,10 @@ def section_demo(quick: bool, **_: Any) -> Dict[str, Any]:
 
 def section_conv_peaks(quick: bool, **_: Any) -> Dict[str, Any]:
     """The conv net's resident bytes, and its plain and memory-mode step peaks (no limit)."""
-    import keras
     import memsaving
     import tensorflow as tf
 
-    shape = sizes(quick)["conv"]
-    keras.utils.set_random_seed(0)
-    model = _conv_net(shape["size"], shape["blocks"])
-    x = tf.random.stateless_normal([shape["batch"], shape["size"], shape["size"], 3], [1, 2])
-    optimizer = keras.optimizers.SGD(1e-3)
-    optimizer.build(model.trainable_variables)
+    model, x, optimizer = _conv_setup(quick)
     from memsaving.tf.measure import bytes_in_use
 
     figures: Dict[str, Any] = {"resident": bytes_in_use()}
@@ -157,16 +161,10 @@ def section_conv_peaks(quick: bool, **_: Any) -> Dict[str, Any]:
 
 def section_budget_run(quick: bool, budget: int, **_: Any) -> Dict[str, Any]:
     """``fit_to_budget`` and 20 steps in all, under a memory limit of ``budget``."""
-    import keras
     import memsaving
     import tensorflow as tf
 
-    shape = sizes(quick)["conv"]
-    keras.utils.set_random_seed(0)
-    model = _conv_net(shape["size"], shape["blocks"])
-    x = tf.random.stateless_normal([shape["batch"], shape["size"], shape["size"], 3], [1, 2])
-    optimizer = keras.optimizers.SGD(1e-3)
-    optimizer.build(model.trainable_variables)
+    model, x, optimizer = _conv_setup(quick)
     try:
         step = memsaving.fit_to_budget(_conv_step(model, optimizer, budget=budget), x, budget=budget)
     except memsaving.BudgetError as error:
@@ -252,16 +250,10 @@ def _round_trip_seconds(sizes_in_bytes: List[int]) -> float:
 
 def section_profiles(quick: bool, **_: Any) -> Dict[str, Any]:
     """Memory mode on the conv net with its kernels profiled (a fresh profile cache)."""
-    import keras
     import memsaving
     import tensorflow as tf
 
-    shape = sizes(quick)["conv"]
-    keras.utils.set_random_seed(0)
-    model = _conv_net(shape["size"], shape["blocks"])
-    x = tf.random.stateless_normal([shape["batch"], shape["size"], shape["size"], 3], [1, 2])
-    optimizer = keras.optimizers.SGD(1e-3)
-    optimizer.build(model.trainable_variables)
+    model, x, optimizer = _conv_setup(quick)
     plans = []
 
     @tf.function

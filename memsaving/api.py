@@ -366,8 +366,6 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = SHARED_D
         planning = planning if planning is not None else active_target()
         fwd, plan_, model = _plan(ys, xs, checkpoints, budget, options, planning,
                                   seeded_with_ones=all(g is None for g in grad_ys))
-        if planning is not None:
-            planning.record(plan_)  # the calibration judges the plans of the step it traced
         if plan_.above_plain:
             warnings.warn(plan_.above_plain_advice(), PlanWarning, stacklevel=3)
         by_name = {op.name: op for op in fwd.ops}
@@ -405,6 +403,8 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = SHARED_D
                                      options.offload.emit, model=model, plan=plan_, cost=options.cost_model(),
                                      graph=graph)
             plan_ = replace(plan_, offload=offloaded.prediction)
+        if planning is not None:
+            planning.record(plan_)  # the calibration judges the plans of the step it traced, as returned
     logger.info(
         "memsaving.gradients: %d forward ops, %d checkpoints, %d segments, %d ops recomputed; "
         "predicted peak %.1f MiB (plain %.1f MiB)",

@@ -101,11 +101,6 @@ class PlanRequest:
     cost: CostModel = field(default_factory=CostModel)
     or_lowest: bool = False
 
-    @property
-    def mode(self) -> str:
-        """The plan's ``mode`` label when no budget is given."""
-        return self.checkpoints
-
 
 # ----------------------------------------------------------------------------- pieces every planner shares
 
@@ -181,7 +176,7 @@ def plan_checkpoints(request: PlanRequest) -> Plan:
     """No budget: the mode's checkpoints, or the user's, with any swaps asked for."""
     chosen = checkpoint_ops(request)
     swapped = swapped_tensors(request, chosen)
-    return make_plan(request.model, chosen, request.mode, keep_x_gradients=request.keep_x_gradients,
+    return make_plan(request.model, chosen, request.checkpoints, keep_x_gradients=request.keep_x_gradients,
                      swapped=swapped, cost=request.cost if swapped else None)
 
 
