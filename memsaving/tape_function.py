@@ -311,6 +311,26 @@ class MemsavingFunction:
         return self._fitted(*args, **kwargs)
 
     @property
+    def plans(self) -> List[Plan]:
+        """The plans of the gradient calls memsaving rewrote in the traces so far
+        (those left to TensorFlow have none), in the order they were met.
+
+        Examples
+        --------
+        >>> import tensorflow as tf, memsaving
+        >>> w = tf.Variable(tf.ones([4, 4]))
+        >>> @memsaving.function(checkpoints="memory")
+        ... def step(x):
+        ...     with tf.GradientTape() as tape:
+        ...         loss = tf.reduce_sum(tf.tanh(x @ w))
+        ...     return tape.gradient(loss, w)
+        >>> _ = step(tf.ones([2, 4]))
+        >>> [plan.mode for plan in step.plans]
+        ['memory']
+        """
+        return [call.plan for call in self._calls if call.plan is not None]
+
+    @property
     def calibration(self) -> Any:
         """The budget's calibration record (:class:`memsaving.fit_budget.Calibration`), after the first call."""
         return None if self._fitted is None else self._fitted.calibration

@@ -85,8 +85,10 @@ def test_weights_equal_the_tf_function_loop_after_five_steps(build):
 
 # On CPU the convolutions' work buffers are a floor no plan goes below, so a residual net needs many
 # blocks of 64x64 activations for its plain step to need twice memory mode's (1.4-1.9x at 8-32 blocks of
-# 32x32).  Without BatchNorm, 16 blocks of one width measured 2.3x in about 12 s, in the default run; the
-# 32-block net with BatchNorm (2.4x) takes 1-2 minutes on 2 cores, so it runs with the slow tests.
+# 32x32).  Without BatchNorm, 16 blocks of one width measured 2.3x in about 12 s, in the default run, with
+# the suite's one inter-op thread; with TensorFlow's default threads the same net measures only 1.41x
+# (python -m experiments.bench_function_memory).  The 32-block net with BatchNorm (2.4x here, 2.24x with
+# the default threads) takes 1-2 minutes on 2 cores, so it runs with the slow tests.
 @pytest.mark.parametrize("build", [_attention, _residual_convnet_without_batch_norm,
                                    pytest.param(_residual_convnet, marks=pytest.mark.slow)],
                          ids=["attention-6-blocks", "resconv-16-blocks", "resconv-bn-32-blocks"])
