@@ -26,7 +26,7 @@ from typing import Dict, List
 
 MODELS: Dict[str, str] = {
     "attention": "attention_encoder(size=64, blocks=6, dim=32, heads=4), batch 8",
-    "resconv": "residual_convnet(size=64, blocks=16, filters=(16,), batch_norm=False), batch 4",
+    "resconv": "residual_convnet(size=64, blocks=48, filters=(16,), batch_norm=False), batch 8",
     "resconv-bn": "residual_convnet(size=64, blocks=32, filters=(16, 32)), batch 4",
 }
 """The models, as the tests of ``tests/api/test_function.py`` build them."""
@@ -45,8 +45,8 @@ def _build(name: str):
         return models.attention_encoder(size=64, blocks=6, dim=32, heads=4), \
             tf.random.stateless_normal([8, 64, 32], [1, 2])
     if name == "resconv":
-        return models.residual_convnet(size=64, blocks=16, filters=(16,), batch_norm=False), \
-            tf.random.stateless_normal([4, 64, 64, 3], [1, 2])
+        return models.residual_convnet(size=64, blocks=48, filters=(16,), batch_norm=False), \
+            tf.random.stateless_normal([8, 64, 64, 3], [1, 2])
     return models.residual_convnet(size=64, blocks=32, filters=(16, 32)), \
         tf.random.stateless_normal([4, 64, 64, 3], [1, 2])
 
