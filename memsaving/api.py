@@ -31,6 +31,7 @@ from memsaving.tf.measure import bytes_in_use
 from memsaving.planners.cache import model_key, remember, remembered
 from memsaving.planners.planning import Plan
 from memsaving.planners.registry import NAMED_MODES, PlanRequest, make_plan_for
+from memsaving.tf.loop_checkpoints import checkpointing_loops
 from memsaving.tf.loop_pinning import pin_loop_iterations
 from memsaving.tf.order import pin_step
 from memsaving.tf.rewrite import BackwardBuilder
@@ -380,7 +381,8 @@ def gradients_and_plan(ys, xs, grad_ys=None, checkpoints: Checkpoints = SHARED_D
         follow = _follow_order(options.gradient.follow_order, fwd, plan_)
         builder = BackwardBuilder(fwd, kept, steps, gradients_fn, options.gradient.passed, probe=probe,
                                   chain_groups=follow and not model.ready_gradients_early)
-        with ops_made_in(graph) as made:
+        loops = [by_name[name] for name in plan_.checkpointed_loops if name in by_name]
+        with ops_made_in(graph) as made, checkpointing_loops(loops):
             zeros = options.gradient.unconnected_gradients == tf.UnconnectedGradients.ZERO
             result = builder.build(ys, grad_ys, xs, zeros)
             # the regions' forward pieces, read instead of the whole ops: all are

@@ -122,6 +122,13 @@ class OpInfo:
     """For a split region's op (:mod:`memsaving.model.splitting`): the
     pieces it runs in.  Its gradient recomputes each piece before
     differentiating it, so the backward costs its forward once more."""
+    checkpointed_grad_temp_bytes: Optional[int] = None
+    """For a loop whose gradient can keep one state every k iterations
+    instead of every one (:mod:`memsaving.model.loops`): that gradient's
+    temporaries, its stored states and the chunk it runs again included
+    (0 when not profiled); None for every other op."""
+    checkpointed_grad_seconds: Optional[float] = None
+    """That gradient's measured run time, when profiled."""
 
     @property
     def gradient_cost(self) -> float:

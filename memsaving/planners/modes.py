@@ -22,6 +22,26 @@ from memsaving.sim.simulate import simulate
 
 logger = logging.getLogger("memsaving")
 
+LOOP_CHECKPOINT_MODES = frozenset({"memory", "budget"})
+"""The plan modes whose gradients run loops checkpointed inside
+(:mod:`memsaving.tf.loop_checkpoints`): every k-th iteration's state kept,
+the iterations between run again in the backward pass, where the profiler
+measured that this holds less (:func:`memsaving.model.loops.checkpointable_loops`).
+``"speed"``, the user's own checkpoints and ``swap="auto"`` keep TensorFlow's
+loop gradient (every iteration kept); a split plan plans the rest of the step
+by the mode it was asked with."""
+
+
+def checkpoints_loops(mode: str) -> bool:
+    """Whether a plan of ``mode`` checkpoints the loops of the step inside.
+
+    Examples
+    --------
+    >>> checkpoints_loops("memory"), checkpoints_loops("speed")
+    (True, False)
+    """
+    return mode in LOOP_CHECKPOINT_MODES
+
 
 def speed_proposal(model: GraphModel, keep_x_gradients: bool = False) -> Proposal:
     """Keep the copyable MatMul/Conv/Einsum forward ops' outputs

@@ -228,6 +228,12 @@ class Plan:
     for, or lower where the plan for it held more than it in the allocator
     model's chunks (:mod:`memsaving.planners.chunk_fit`).  None outside
     budget planning."""
+    checkpointed_loops: List[str] = field(default_factory=list)
+    """The loops whose gradient keeps one state every ceil(sqrt(T))
+    iterations and runs the iterations between again, instead of saving
+    every iteration (:mod:`memsaving.tf.loop_checkpoints`); empty in the
+    modes that keep TensorFlow's loop gradient
+    (:func:`memsaving.planners.modes.checkpoints_loops`)."""
     offload: Optional[OffloadPrediction] = field(default=None, repr=False)
     """With parameters offloaded to the host (``offload_params``): the
     device's predicted peak and step time (:mod:`memsaving.sim.offload`).
@@ -294,6 +300,8 @@ class Plan:
             out.write(f", {len(self.swapped)} tensors swapped to host")
         if self.splits:
             out.write(f", {len(self.splits)} regions split into pieces")
+        if self.checkpointed_loops:
+            out.write(f", {len(self.checkpointed_loops)} loops checkpointed inside (sqrt(T) states kept)")
         out.write("\n")
         out.write(f"predicted peak {self.predicted_peak / mib:.1f} MiB "
                   f"(plain tf.gradients {self.plain_peak / mib:.1f} MiB, "

@@ -47,7 +47,8 @@ from memsaving.model.schedule import kept_set
 from memsaving.planners.budget import no_plan_fits, plan_for_budget
 from memsaving.planners.chunk_fit import fit_in_chunks
 from memsaving.planners.hybrid import plan_hybrid
-from memsaving.planners.modes import memory_proposal, speed_proposal
+from memsaving.model.loops import checkpointable_loops, with_loops_checkpointed
+from memsaving.planners.modes import checkpoints_loops, memory_proposal, speed_proposal
 from memsaving.planners.planning import Plan, make_plan
 from memsaving.planners.splits import auto_split, explicit_split
 from memsaving.sim.swap import CostModel, swap_candidates
@@ -172,7 +173,24 @@ def _mode_plan(request: PlanRequest, budget_bytes: int) -> Optional[Plan]:
 # ----------------------------------------------------------------------------- the planners
 
 
-def plan_checkpoints(request: PlanRequest) -> Plan:
+def loops_checkpointed(planner: Callable[[PlanRequest], Plan], mode: Callable[[PlanRequest], str]):
+    """``planner``, made to plan on the model whose loops are checkpointed
+    inside (:func:`memsaving.model.loops.with_loops_checkpointed`) when the
+    plan's ``mode(request)`` checkpoints loops and the model has loops worth
+    it; the plan then names them (``Plan.checkpointed_loops``), for the
+    rewrite to follow."""
+    def planned(request: PlanRequest) -> Plan:
+        loops = checkpointable_loops(request.model) if checkpoints_loops(mode(request)) else []
+        if not loops:
+            return planner(request)
+        made = planner(replace(request, model=with_loops_checkpointed(request.model)))
+        return replace(made, checkpointed_loops=[request.model.ops[i].name for i in loops])
+
+    planned.__doc__ = planner.__doc__
+    return planned
+
+
+def _plan_checkpoints(request: PlanRequest) -> Plan:
     """No budget: the mode's checkpoints, or the user's, with any swaps asked for."""
     chosen = checkpoint_ops(request)
     swapped = swapped_tensors(request, chosen)
@@ -180,7 +198,10 @@ def plan_checkpoints(request: PlanRequest) -> Plan:
                      swapped=swapped, cost=request.cost if swapped else None)
 
 
-def plan_budget(request: PlanRequest) -> Plan:
+plan_checkpoints = loops_checkpointed(_plan_checkpoints, lambda request: request.checkpoints)
+
+
+def _plan_budget(request: PlanRequest) -> Plan:
     """A budget: the budget search over the candidates, fitted to the
     allocator's whole chunks (:mod:`memsaving.planners.chunk_fit`)."""
     model, keep_x, budget_bytes = request.model, request.keep_x_gradients, int(request.budget or 0)
@@ -221,6 +242,9 @@ def plan_budget(request: PlanRequest) -> Plan:
         return made
 
     return fit_in_chunks(plan_at, budget_bytes, model.resident_bytes, request.or_lowest)
+
+
+plan_budget = loops_checkpointed(_plan_budget, lambda request: "budget")
 
 
 def plan_hybrid_swap(request: PlanRequest) -> Plan:

@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from memsaving.tf.forward import ForwardGraph, is_copyable, is_trainable, topological_order
+from memsaving.tf.loop_checkpoints import can_checkpoint
 from memsaving.model.buffers import Action, memory_replay
 from memsaving.model.graph import UPDATE_FACTOR, GraphModel, OpInfo, ProfileSummary, TensorInfo
 from memsaving.tf.rows import row_splits, static_shape
@@ -564,6 +565,7 @@ def graph_model(fwd: ForwardGraph, batch_size: int = 1, resident_bytes: Optional
             grad_reads=reads, input_grad_reads=by_input, cost=op_flops(op, batch_size),
             forwards_input=op.type in FORWARDS_INPUT_OPS or op.type in ALIASING_OPS,
             grad_temp_bytes=customs[op].temp_bytes if op in customs else 0,
+            checkpointed_grad_temp_bytes=0 if op in differentiated and can_checkpoint(op) else None,
         )
         if op.name in measured:
             info = _with_profile(info, measured[op.name], tensors, variants)
@@ -601,8 +603,12 @@ def _with_profile(info: OpInfo, profile, tensors: Dict[int, TensorInfo], variant
     for t, held in zip(info.outputs, profile.output_bytes):
         if t in variants and held > 0 and tensors[t].nbytes == 0:
             tensors[t] = replace(tensors[t], nbytes=held)
+    checkpointed = info.checkpointed_grad_temp_bytes
+    if checkpointed is not None and profile.checkpointed_grad_temp_bytes is not None:
+        checkpointed = profile.checkpointed_grad_temp_bytes
     return replace(info, temp_bytes=profile.temp_bytes, grad_temp_bytes=profile.grad_temp_bytes,
-                   saved_bytes=profile.saved_bytes, seconds=profile.seconds, grad_seconds=profile.grad_seconds)
+                   saved_bytes=profile.saved_bytes, seconds=profile.seconds, grad_seconds=profile.grad_seconds,
+                   checkpointed_grad_temp_bytes=checkpointed, checkpointed_grad_seconds=profile.checkpointed_grad_seconds)
 
 
 def _external_bytes(t: tf.Tensor, batch_size: int) -> int:

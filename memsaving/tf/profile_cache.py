@@ -33,14 +33,15 @@ except ImportError:  # Windows has none: writers take turns by creating a marker
 
 logger = logging.getLogger("memsaving")
 
-FORMAT = 6
+FORMAT = 7
 """Version of the measurement procedure and of the cache file (3: function
 calls' gradients are measured through their own gradient functions; 4: what
 an op keeps for its gradient counts the bytes its extra outputs ask for, not
 the chunks they happened to hold; 5: an op given extra outputs for its
 gradient records which of its inputs and outputs the gradient still reads;
 6: an op's gradient kernels are measured one at a time, as the pinned step
-runs them).
+runs them; 7: a loop's gradient is measured a second time checkpointed
+inside, :mod:`memsaving.tf.loop_checkpoints`).
 Entries of an older version are ignored and the file replaced; a newer
 version's file is left alone (this process then keeps its profiles in
 memory)."""
@@ -126,6 +127,13 @@ class OpProfile:
     grad_seconds: Optional[float] = None
     ok: bool = True
     grad_reads: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None
+    checkpointed_grad_temp_bytes: Optional[int] = None
+    """For a loop whose gradient can keep one state every k iterations
+    (:mod:`memsaving.tf.loop_checkpoints`): that gradient's temporaries, the
+    stored states and the chunk run again included (the forward loop then
+    saves nothing); None for other ops."""
+    checkpointed_grad_seconds: Optional[float] = None
+    """That gradient's run time (None when not measured)."""
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -163,7 +171,10 @@ class OpProfile:
                    tuple(_byte_count(b, "output_bytes") for b in outputs),
                    _optional_seconds(data.get("seconds"), "seconds"),
                    _optional_seconds(data.get("grad_seconds"), "grad_seconds"), ok,
-                   _grad_reads(data.get("grad_reads")))
+                   _grad_reads(data.get("grad_reads")),
+                   None if data.get("checkpointed_grad_temp_bytes") is None else
+                   _byte_count(data["checkpointed_grad_temp_bytes"], "checkpointed_grad_temp_bytes"),
+                   _optional_seconds(data.get("checkpointed_grad_seconds"), "checkpointed_grad_seconds"))
 
 
 def _grad_reads(value: object) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
@@ -261,12 +272,14 @@ class ProfileLimits:
     def violation(self, profile: OpProfile) -> Optional[str]:
         """Why ``profile`` cannot be right for this op, or None when it may be."""
         byte_counts = [("temp_bytes", profile.temp_bytes), ("grad_temp_bytes", profile.grad_temp_bytes),
-                       ("saved_bytes", profile.saved_bytes)]
+                       ("saved_bytes", profile.saved_bytes),
+                       ("checkpointed_grad_temp_bytes", profile.checkpointed_grad_temp_bytes or 0)]
         byte_counts += [(f"output_bytes[{k}]", b) for k, b in enumerate(profile.output_bytes)]
         for name, value in byte_counts:
             if value > self.max_bytes:
                 return f"{name} is {value}, above the {self.max_bytes} bytes this op's shapes allow"
-        for name, seconds in (("seconds", profile.seconds), ("grad_seconds", profile.grad_seconds)):
+        for name, seconds in (("seconds", profile.seconds), ("grad_seconds", profile.grad_seconds),
+                              ("checkpointed_grad_seconds", profile.checkpointed_grad_seconds)):
             if seconds is not None and seconds > self.max_seconds:
                 return f"{name} is {seconds}, above {self.max_seconds:.0f} s"
         return None

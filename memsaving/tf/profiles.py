@@ -39,7 +39,8 @@ from memsaving.tf.forward import ops_made_in
 
 _tensorflow_gradients = gradients_impl.gradients_v2
 """TensorFlow's ``tf.gradients`` itself, whatever ``memsaving.patch()`` made of the name."""
-from memsaving.tf.loop_pinning import pin_loop_iterations
+from memsaving.tf.loop_checkpoints import checkpointing_loops
+from memsaving.tf.loop_pinning import LOOP_TYPES, pin_loop_iterations
 from memsaving.tf.measure import onednn_enabled
 from memsaving.tf.order import one_at_a_time
 from memsaving.tf.profile_cache import OpProfile, ProfileCache, ProfileLimits
@@ -598,17 +599,26 @@ class _Measurement:
         temp = max(peak - sum(held), 0)
         seconds = self._seconds(forward, fed, peak)
         grad_temp, saved, grad_seconds, grad_reads = self._gradient(build, fed, specs, held, seconds)
-        return OpProfile(temp, grad_temp, saved, tuple(held), seconds, grad_seconds, grad_reads=grad_reads)
+        checkpointed_temp, checkpointed_seconds = None, None
+        if self.target.op in LOOP_TYPES and grad_seconds is not None:
+            # the same loop's gradient checkpointed inside, as memory mode runs it
+            checkpointed_temp, _, checkpointed_seconds, _ = self._gradient(build, fed, specs, held, seconds,
+                                                                           checkpointed=True)
+        return OpProfile(temp, grad_temp, saved, tuple(held), seconds, grad_seconds, grad_reads=grad_reads,
+                         checkpointed_grad_temp_bytes=checkpointed_temp,
+                         checkpointed_grad_seconds=checkpointed_seconds)
 
     def _seconds(self, fn: Callable, args: Sequence, traffic: int) -> float:
         runs = TIMING_RUNS + (4 if traffic < SMALL else 0)
         return max(_median_seconds(fn, args, runs) - self.overhead, 0.0)
 
     def _gradient(self, build: Callable, fed: List[tf.Tensor], specs: List[Tuple[tf.DType, tuple]],
-                  held: List[int], forward_seconds: Optional[float]) -> tuple:
+                  held: List[int], forward_seconds: Optional[float], checkpointed: bool = False) -> tuple:
         """(gradient temporary, saved bytes, gradient seconds, what the
         gradient reads: :attr:`OpProfile.grad_reads`); zeros and None when
-        the op has no gradient."""
+        the op has no gradient.  ``checkpointed``: a loop's gradient
+        checkpointed inside (:mod:`memsaving.tf.loop_checkpoints`); None
+        figures when the loop cannot be."""
         outputs = [i for i, (dtype, _) in enumerate(specs) if _is_float(dtype)]
         if not outputs:
             return 0, 0, None, None
@@ -618,7 +628,8 @@ class _Measurement:
         def differentiated(values, upstream) -> Tuple[tf.Operation, list]:
             op = build(values)
             xs = [t for t in op.inputs if _is_float(t.dtype) or t.dtype == tf.resource]
-            with ops_made_in(op.graph) as made:
+            with ops_made_in(op.graph) as made, checkpointing_loops([op] if checkpointed else []) as switched:
+                facts["switched"] = switched
                 # TensorFlow's own function: tf.gradients may be memsaving's (memsaving.patch()), and
                 # profiling a profiled op's gradient would recurse without end
                 results = _tensorflow_gradients([op.outputs[i] for i in outputs], xs,
@@ -643,8 +654,11 @@ class _Measurement:
             backward(fed, upstream)
         except (LookupError, ValueError, TypeError, NotImplementedError, tf.errors.OpError) as err:
             logger.debug("memsaving profiles: no gradient for %s: %s", self.target.op, err)
-            return 0, 0, None, None
-        peak, held_results = self.memory.run(backward, fed, upstream, runs=self.runs)
+            return (None, 0, None, None) if checkpointed else (0, 0, None, None)
+        if checkpointed and not facts["switched"]:
+            return None, 0, None, None
+        # a checkpointed gradient's loops run one iteration at a time: its peak is the same every run
+        peak, held_results = self.memory.run(backward, fed, upstream, runs=2 if checkpointed else self.runs)
         saved = facts["extra_bytes"] or 0
         if facts["extra"] and facts["extra_bytes"] is None:  # some extra output has no static size: measure them
 

@@ -173,6 +173,7 @@ def _conv_figures_in_a_process(**environment) -> dict:
     return in_a_fresh_process("test_profiles", "conv_figures", environment=environment)
 
 
+@pytest.mark.slow  # 11-19 s; test_residual_conv_net checks the default kernels' profiles in the default run
 def test_single_conv2d_step():
     """TensorFlow's default kernels: oneDNN's on x86 CPUs with AVX-512 (little work memory), Eigen's
     elsewhere (a work buffer of about 32 MiB)."""
@@ -181,7 +182,7 @@ def test_single_conv2d_step():
     assert abs(figures["with"] - figures["measured"]) <= TOLERANCE * figures["measured"]
 
 
-@pytest.mark.slow  # 8 s; the oneDNN kernels users run by default are checked by test_single_conv2d_step
+@pytest.mark.slow  # 8 s; the oneDNN kernels users run by default are checked by test_residual_conv_net
 def test_conv2d_work_buffer_with_eigen_kernels():
     """With TensorFlow's Eigen kernels (oneDNN off) a Conv2D step holds a
     work buffer of about 32 MiB whatever the tensor sizes: far off without
