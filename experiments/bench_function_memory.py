@@ -18,11 +18,10 @@ the allocator.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 from typing import Dict, List
+
+from experiments.child_figures import print_figures, run_child
 
 MODELS: Dict[str, str] = {
     "attention": "attention_encoder(size=64, blocks=6, dim=32, heads=4), batch 8",
@@ -87,7 +86,7 @@ def main(argv: List[str] = None) -> int:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print("FIGURES " + json.dumps(measure(args.child, args.repeats)), flush=True)
+        print_figures(measure(args.child, args.repeats))
         return 0
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = sorted(set(names) - set(MODELS))
@@ -97,14 +96,11 @@ def main(argv: List[str] = None) -> int:
           f"{args.repeats} runs; predicted: the plan's peak less its resident bytes")
     print(f"{'model':12} {'plain':>15} {'memory':>15} {'ratio (lowest)':>15} {'predicted':>17}")
     for name in names:
-        done = subprocess.run([sys.executable, "-m", "experiments.bench_function_memory", "--child", name,
-                               "--repeats", str(args.repeats)], capture_output=True, text=True,
-                              env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-        lines = [line for line in done.stdout.splitlines() if line.startswith("FIGURES ")]
-        if not lines:
-            print(f"{name:12} failed: {done.stderr.strip().splitlines()[-1:]}")
+        try:
+            f = run_child("experiments.bench_function_memory", ["--child", name, "--repeats", str(args.repeats)])
+        except RuntimeError as error:
+            print(f"{name:12} failed: {error}")
             continue
-        f = json.loads(lines[-1][len("FIGURES "):])
         plain, memory = f["plain"], f["memory"]
         print(f"{name:12} {min(plain) / MiB:7.1f}-{max(plain) / MiB:<7.1f} {min(memory) / MiB:7.1f}-"
               f"{max(memory) / MiB:<7.1f} {min(plain) / min(memory):14.2f}x "

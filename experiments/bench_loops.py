@@ -15,12 +15,12 @@ between the two gradients, relative to the largest gradient.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
+import statistics
 import sys
 import time
 from typing import Dict, List
+
+from experiments.child_figures import print_figures, run_child
 
 MODELS: Dict[str, str] = {
     "lstm": "LSTM(128) over 512 steps of 32 features, batch 32",
@@ -108,7 +108,7 @@ def main(argv: List[str] = None) -> int:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print("FIGURES " + json.dumps(measure(args.child, args.repeats)), flush=True)
+        print_figures(measure(args.child, args.repeats))
         return 0
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = sorted(set(names) - set(MODELS))
@@ -118,17 +118,12 @@ def main(argv: List[str] = None) -> int:
           f"{args.repeats} runs; predicted: the plan's peak less its resident bytes; time: median seconds")
     print(f"{'model':10} {'plain':>13} {'memory':>13} {'ratio':>7} {'predicted':>15} {'time plain/memory':>19} "
           f"{'grad diff':>9}")
-    import statistics
-
     for name in names:
-        done = subprocess.run([sys.executable, "-m", "experiments.bench_loops", "--child", name,
-                               "--repeats", str(args.repeats)], capture_output=True, text=True,
-                              env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-        lines = [line for line in done.stdout.splitlines() if line.startswith("FIGURES ")]
-        if not lines:
-            print(f"{name:10} failed: {done.stderr.strip().splitlines()[-1:]}")
+        try:
+            f = run_child("experiments.bench_loops", ["--child", name, "--repeats", str(args.repeats)])
+        except RuntimeError as error:
+            print(f"{name:10} failed: {error}")
             continue
-        f = json.loads(lines[-1][len("FIGURES "):])
         plain, memory = f["peaks"]["plain"], f["peaks"]["memory"]
         t_plain, t_memory = statistics.median(f["times"]["plain"]), statistics.median(f["times"]["memory"])
         print(f"{name:10} {min(plain) / MiB:6.1f}-{max(plain) / MiB:<6.1f} {min(memory) / MiB:6.1f}-"

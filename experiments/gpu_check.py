@@ -55,6 +55,8 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
+from experiments.child_figures import PREFIX, print_figures
+
 SECTIONS = ("demo", "budget", "swap", "profiles")
 """The parts of the check, in the order they run."""
 
@@ -282,7 +284,7 @@ def child_main(name: str, quick: bool, limit_mib: Optional[int], budget: Optiona
     tf = _start_tensorflow(limit_mib)
     figures = CHILDREN[name](quick=quick, budget=budget)
     figures["device"] = "GPU" if tf.config.list_physical_devices("GPU") else "CPU"
-    print("FIGURES " + json.dumps(figures), flush=True)
+    print_figures(figures)
 
 
 # ----------------------------------------------------------------------------- the orchestration
@@ -301,11 +303,11 @@ def _run_child(name: str, quick: bool, timeout: float, limit_mib: Optional[int] 
         done = subprocess.run(command, capture_output=True, text=True, timeout=max(timeout, 1.0), env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"stopped after its {timeout:.0f} s"}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("FIGURES ")]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(PREFIX)]
     if not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         return {"error": f"exit status {done.returncode}: " + " | ".join(tail)}
-    figures = json.loads(lines[-1][len("FIGURES "):])
+    figures = json.loads(lines[-1][len(PREFIX):])
     figures["seconds"] = round(time.perf_counter() - start, 1)
     return figures
 
