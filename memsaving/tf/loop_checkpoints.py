@@ -90,10 +90,20 @@ def can_checkpoint(op: tf.Operation) -> bool:
     >>> [can_checkpoint(op) for op in g.get_operations() if op.type in ("While", "StatelessWhile")]
     [True]
     """
-    if op.type not in LOOP_TYPES:
+    if op.type not in LOOP_TYPES or not _counts_its_iterations(op):
         return False
     graph = op.graph
     return all(_replayable(graph, op.get_attr(name).name, set()) for name in ("body", "cond"))
+
+
+def _counts_its_iterations(op: tf.Operation) -> bool:
+    """Whether ``op`` is a loop as ``tf.while_loop`` builds it: its first
+    loop variable counts the iterations run (the chunks are counted from
+    it), its second is the iteration limit."""
+    function = op.graph._get_function(op.get_attr("body").name)  # pylint: disable=protected-access
+    if function is None or len(op.inputs) < 2 or any(t.dtype != tf.int32 for t in op.inputs[:2]):
+        return False
+    return function.definition.signature.input_arg[0].name.endswith("loop_counter")
 
 
 def _replayable(graph: tf.Graph, function_name: str, seen: set) -> bool:
