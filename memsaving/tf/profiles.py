@@ -218,7 +218,9 @@ class _Builder:
                 return self._constant(np.asarray(value), dtype)
         if depth < MAX_SETUP_DEPTH and self.copied < MAX_SETUP_NODES and _copyable_producer(t.op):
             self.copied += 1
-            name = f"setup{len(self.nodes)}"
+            # numbered by the copies made, not by the nodes so far: the node is added after its
+            # inputs, and an input made by a copy of its own would get the same number
+            name = f"setup{self.copied}"
             node = _copy_node(t.op, name)
             for s in t.op.inputs:
                 node.input.append(self.source(s, depth + 1))
