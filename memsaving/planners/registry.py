@@ -178,11 +178,24 @@ def loops_checkpointed(planner: Callable[[PlanRequest], Plan], mode: Callable[[P
     inside (:func:`memsaving.model.loops.with_loops_checkpointed`) when the
     plan's ``mode(request)`` checkpoints loops and the model has loops worth
     it; the plan then names them (``Plan.checkpointed_loops``), for the
-    rewrite to follow."""
+    rewrite to follow.
+
+    With a budget, loops are checkpointed only when the budget needs it: a
+    checkpointed loop runs its forward twice more, so a plan that fits with
+    the loops whole is the faster one.  (The chunk length does not trade
+    memory for time: every chunk length runs the forward loop twice more,
+    and sqrt(T) holds the least.)"""
     def planned(request: PlanRequest) -> Plan:
         loops = checkpointable_loops(request.model) if checkpoints_loops(mode(request)) else []
         if not loops:
             return planner(request)
+        if request.budget is not None:
+            try:
+                whole = planner(replace(request, or_lowest=False))
+                if whole.device_peak <= request.budget:
+                    return whole
+            except BudgetError:
+                pass
         made = planner(replace(request, model=with_loops_checkpointed(request.model)))
         return replace(made, checkpointed_loops=[request.model.ops[i].name for i in loops])
 

@@ -56,3 +56,12 @@ def test_a_budget_plan_fits_below_plain_by_checkpointing_the_loop():
     assert budget < memory.plain_peak
     planned = make_plan_for(PlanRequest(model, budget=budget))
     assert planned.checkpointed_loops == ["op3"] and planned.device_peak <= budget
+
+
+def test_a_budget_the_whole_loop_fits_keeps_it_whole():
+    """Checkpointing a loop inside runs its forward twice more: a budget met without it keeps
+    TensorFlow's loop gradient."""
+    model = _with_a_loop(saved=40 * MiB, checkpointed=4 * MiB)
+    roomy = 2 * make_plan_for(PlanRequest(model, checkpoints="memory")).plain_peak
+    planned = make_plan_for(PlanRequest(model, budget=roomy))
+    assert planned.checkpointed_loops == [] and planned.device_peak <= roomy
