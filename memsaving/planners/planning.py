@@ -137,6 +137,9 @@ class Plan:
     planned_for
         the target the budget planner finally planned for (None outside
         budget planning).
+    checkpointed_loops
+        names of the loops whose gradient keeps sqrt(T) states instead of
+        every iteration's (empty when none is).
     offload
         the device's predicted peak and step time with parameters offloaded
         to the host (None without ``offload_params``).
