@@ -17,11 +17,10 @@ the allocator.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Dict, List
 
-from experiments.child_figures import print_figures, run_child
+from experiments.child_figures import each_model, models_asked
 
 MODELS: Dict[str, str] = {
     "attention": "attention_encoder(size=64, blocks=6, dim=32, heads=4), batch 8",
@@ -80,25 +79,15 @@ def measure(name: str, repeats: int) -> Dict[str, object]:
 
 
 def main(argv: List[str] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.bench_function_memory", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="attention,resconv", help=f"of {', '.join(MODELS)}")
-    parser.add_argument("--repeats", type=int, default=5, help="measured runs per way (default 5)")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child:
-        print_figures(measure(args.child, args.repeats))
+    asked = models_asked(argv, "experiments.bench_function_memory", __doc__, MODELS, "attention,resconv", 5, measure)
+    if asked is None:
         return 0
-    names = [n.strip() for n in args.models.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(MODELS))
-    if unknown:
-        parser.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    names, repeats = asked
     print("step memory (MiB, measure_peak_increase, TensorFlow's default settings), lowest-highest of "
-          f"{args.repeats} runs; predicted: the plan's peak less its resident bytes")
+          f"{repeats} runs; predicted: the plan's peak less its resident bytes")
     print(f"{'model':12} {'plain':>15} {'memory':>15} {'ratio (lowest)':>15} {'predicted':>17}")
-    for name in names:
-        try:
-            f = run_child("experiments.bench_function_memory", ["--child", name, "--repeats", str(args.repeats)])
-        except RuntimeError as error:
+    for name, f, error in each_model("experiments.bench_function_memory", names, repeats):
+        if f is None:
             print(f"{name:12} failed: {error}")
             continue
         plain, memory = f["plain"], f["memory"]

@@ -14,13 +14,12 @@ between the two gradients, relative to the largest gradient.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from typing import Dict, List
 
-from experiments.child_figures import print_figures, run_child
+from experiments.child_figures import each_model, models_asked
 
 MODELS: Dict[str, str] = {
     "lstm": "LSTM(128) over 512 steps of 32 features, batch 32",
@@ -102,26 +101,16 @@ def measure(name: str, repeats: int) -> Dict[str, object]:
 
 
 def main(argv: List[str] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.bench_loops", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="lstm,gru,scan,scan-small", help=f"of {', '.join(MODELS)}")
-    parser.add_argument("--repeats", type=int, default=3, help="measured runs per way (default 3)")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child:
-        print_figures(measure(args.child, args.repeats))
+    asked = models_asked(argv, "experiments.bench_loops", __doc__, MODELS, "lstm,gru,scan,scan-small", 3, measure)
+    if asked is None:
         return 0
-    names = [n.strip() for n in args.models.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(MODELS))
-    if unknown:
-        parser.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    names, repeats = asked
     print("step memory (MiB, measure_peak_increase, default settings), lowest-highest of "
-          f"{args.repeats} runs; predicted: the plan's peak less its resident bytes; time: median seconds")
+          f"{repeats} runs; predicted: the plan's peak less its resident bytes; time: median seconds")
     print(f"{'model':10} {'plain':>13} {'memory':>13} {'ratio':>7} {'predicted':>15} {'time plain/memory':>19} "
           f"{'grad diff':>9}")
-    for name in names:
-        try:
-            f = run_child("experiments.bench_loops", ["--child", name, "--repeats", str(args.repeats)])
-        except RuntimeError as error:
+    for name, f, error in each_model("experiments.bench_loops", names, repeats):
+        if f is None:
             print(f"{name:10} failed: {error}")
             continue
         plain, memory = f["peaks"]["plain"], f["peaks"]["memory"]

@@ -37,6 +37,7 @@ Examples
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
@@ -185,6 +186,7 @@ def loops_checkpointed(planner: Callable[[PlanRequest], Plan], mode: Callable[[P
     the loops whole is the faster one.  (The chunk length does not trade
     memory for time: every chunk length runs the forward loop twice more,
     and sqrt(T) holds the least.)"""
+    @functools.wraps(planner)
     def planned(request: PlanRequest) -> Plan:
         loops = checkpointable_loops(request.model) if checkpoints_loops(mode(request)) else []
         if not loops:
@@ -199,7 +201,6 @@ def loops_checkpointed(planner: Callable[[PlanRequest], Plan], mode: Callable[[P
         made = planner(replace(request, model=with_loops_checkpointed(request.model)))
         return replace(made, checkpointed_loops=[request.model.ops[i].name for i in loops])
 
-    planned.__doc__ = planner.__doc__
     return planned
 
 
